@@ -1,0 +1,39 @@
+"""course_lib: the package behind the PyTorch distributed training course.
+
+In a notebook: `%load_ext course_lib`, then `%%torchrun -n 2` cells.
+On a rank: `import course_lib as cl; cl.init(); cl.print0(...); cl.publish(...)`.
+Importing this package on a rank is cheap: IPython parts load only in a kernel.
+"""
+
+from .backend import BackendChoice, BackendError, choose_backend
+from .machine import describe_machine
+from .rank import DistInfo, backend, device, init, print0, publish
+from .results import results
+from .torchrun import LaunchResult, run_torchrun
+
+__all__ = [
+    "BackendChoice",
+    "BackendError",
+    "DistInfo",
+    "LaunchResult",
+    "backend",
+    "choose_backend",
+    "describe_machine",
+    "device",
+    "init",
+    "load_ipython_extension",
+    "print0",
+    "publish",
+    "results",
+    "run_torchrun",
+]
+
+__version__ = "0.1.0"
+
+
+def load_ipython_extension(ipython) -> None:
+    """`%load_ext course_lib`: registers `%%torchrun`."""
+    from .magics import TorchrunMagics
+
+    ipython.register_magics(TorchrunMagics)
+

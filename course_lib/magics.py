@@ -1,0 +1,190 @@
+"""The `%%torchrun` cell magic: run the cell as a script on N real ranks.
+
+    %load_ext course_lib
+    %%torchrun -n 2 [--backend auto|gloo|nccl] [--timeout SECONDS]
+
+The first output line names world size, backend, device and why; rank output
+appears live while the cell runs, then as rank-ordered `[rank N]` blocks
+(stdout, then stderr) that are the same on every run, so nbval can compare
+them. Bad input raises a one-line `UsageError`; a failed, timed-out or
+interrupted run says which ranks did what.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.display import display
+
+from .backend import BACKEND_CHOICES, BackendError, choose_backend
+from .output import exit_summary, rank_block
+from .results import results
+from .torchrun import LaunchResult, run_torchrun
+
+__all__ = ["RankFailure", "TorchrunMagics", "last_result", "parse_torchrun_args", "report"]
+
+MAX_NPROC = 64
+DEFAULT_TIMEOUT_S = 120.0
+LIVE_LINES = 30  # lines kept in the live view while a cell runs
+LIVE_REFRESH_S = 0.2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse would print usage and sys.exit
+        raise UsageError(f"%%torchrun: {message}")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of ranks, got {text!r}") from None
+    if not 1 <= value <= MAX_NPROC:
+        raise argparse.ArgumentTypeError(f"number of ranks must be between 1 and {MAX_NPROC}, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"timeout must be positive, got {text}")
+    return value
+
+
+def _make_parser() -> _Parser:
+    parser = _Parser(prog="%%torchrun", add_help=False)
+    parser.add_argument("-n", "--nproc", "--nproc-per-node", type=_positive_int, default=2)
+    parser.add_argument("--backend", choices=BACKEND_CHOICES, default="auto")
+    parser.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT_S)
+    return parser
+
+
+def parse_torchrun_args(line: str) -> argparse.Namespace:
+    """Parse the magic's line; raise a one-line UsageError on bad input."""
+    try:
+        words = shlex.split(line)
+    except ValueError as exc:
+        raise UsageError(f"%%torchrun: {exc}") from None
+    return _make_parser().parse_args(words)
+
+
+class RankFailure(Exception):
+    """A %%torchrun cell whose ranks failed or ran past the deadline.
+
+    IPython shows `_render_traceback_()` instead of a traceback through this
+    library: the rank's own traceback is already printed above.
+    """
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"RankFailure: {self}"]
+
+
+def _failure_message(result: LaunchResult, timeout_s: float) -> str:
+    if result.timed_out:
+        stuck = ", ".join(map(str, result.unfinished)) or "none"
+        return f"deadline of {timeout_s:g} s passed; ranks still running: {stuck}; every process of this cell was killed"
+    if result.failed:
+        first = result.root_cause if result.root_cause is not None else result.failed[0]
+        last_line = next((ln for ln in reversed(result.stderr.get(first, "").splitlines()) if ln.strip()), "")
+        why = f": {last_line.strip()}" if last_line else ""
+        return f"rank {first} failed with exit code {result.exit_codes[first]}{why}"
+    detail = result.agent_output.strip().splitlines()[-1:] or ["no output"]
+    return f"torchrun exited with code {result.agent_exit_code}: {detail[0]}"
+
+
+class _LiveView:
+    """A display that shows the latest rank lines while the cell runs, and is empty after.
+
+    It starts and ends empty so that the stored notebook (where the last
+    update wins) and nbval (which sees only the first display) agree.
+    """
+
+    def __init__(self):
+        self.handle = display({"text/plain": ""}, raw=True, display_id=True)
+        self.lines: list[str] = []
+        self.partial: dict[tuple[int, str], str] = {}
+        self.last = 0.0
+
+    def add(self, rank: int, stream: str, text: str) -> None:
+        buf = self.partial.get((rank, stream), "") + text
+        *complete, self.partial[(rank, stream)] = buf.split("\n")
+        self.lines.extend(f"[rank {rank}] {line}" for line in complete)
+        del self.lines[:-LIVE_LINES]
+        now = time.monotonic()
+        if now - self.last >= LIVE_REFRESH_S and self.handle is not None:
+            self.handle.update({"text/plain": "\n".join(self.lines)}, raw=True)
+            self.last = now
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.update({"text/plain": ""}, raw=True)
+
+
+def report(result: LaunchResult) -> None:
+    """Print rank-ordered output: stdout blocks, then stderr blocks (failing rank first)."""
+    order = sorted(result.stdout)
+    if result.root_cause is not None:
+        order = [result.root_cause] + [r for r in order if r != result.root_cause]
+    out = "".join(rank_block(r, result.stdout[r]) for r in sorted(result.stdout))
+    err = "".join(rank_block(r, result.stderr[r]) for r in order)
+    if out:
+        sys.stdout.write(out)
+        sys.stdout.flush()
+    if err:
+        sys.stderr.write(err)
+        sys.stderr.flush()
+    if not result.ok:
+        print(exit_summary(result.exit_codes))
+
+
+@magics_class
+class TorchrunMagics(Magics):
+    @line_cell_magic
+    def torchrun(self, line: str, cell: str | None = None):
+        """Run this cell as a script on N ranks with real torchrun (see module docstring)."""
+        if cell is None:
+            raise UsageError("%torchrun is a cell magic: put %%torchrun -n 2 on the first line of a cell")
+        args = parse_torchrun_args(line)
+        if not cell.strip():
+            raise UsageError("%%torchrun: the cell is empty; write the script each rank runs below the magic line")
+        try:
+            compile(cell, "<cell>", "exec")
+        except SyntaxError as exc:
+            raise UsageError(f"%%torchrun: the cell does not parse: line {exc.lineno}: {exc.msg}") from None
+        try:
+            choice = choose_backend(args.nproc, args.backend)
+        except BackendError as exc:
+            raise UsageError(f"%%torchrun: {exc}") from None
+
+        print(choice.header(args.nproc), flush=True)
+        live = _LiveView()
+        try:
+            result = run_torchrun(cell, args.nproc, backend=args.backend, timeout_s=args.timeout, on_output=live.add)
+        finally:
+            live.close()
+        results.update(result.results)
+        global _last_result
+        _last_result = result
+        report(result)
+        if result.interrupted:
+            running = ", ".join(map(str, result.unfinished)) or "none"
+            print(f"interrupted; ranks still running were killed: {running}")
+            raise KeyboardInterrupt
+        if not result.ok:
+            raise RankFailure(_failure_message(result, args.timeout))
+
+
+_last_result: LaunchResult | None = None
+
+
+def last_result() -> LaunchResult | None:
+    """The LaunchResult of the most recent %%torchrun cell in this kernel (for tests and graders)."""
+    return _last_result

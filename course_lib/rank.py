@@ -1,0 +1,124 @@
+"""Helpers a rank's script calls: set up the process group, print once, publish results.
+
+These run inside processes started by torchrun, whether from a `%%torchrun`
+cell or from `launch/`. The launcher passes its decisions through environment
+variables (`COURSE_BACKEND`, `COURSE_DEVICE`, `COURSE_RESULTS_DIR`); without
+them (plain torchrun) the same rule from `course_lib.backend` decides here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import pathlib
+from typing import Any
+
+from .backend import BackendChoice, choose_backend
+
+__all__ = ["DistInfo", "backend", "device", "init", "print0", "publish"]
+
+# Environment variables set by the launcher (course_lib.torchrun).
+ENV_BACKEND = "COURSE_BACKEND"
+ENV_DEVICE = "COURSE_DEVICE"
+ENV_RESULTS_DIR = "COURSE_RESULTS_DIR"
+
+
+@dataclasses.dataclass(frozen=True)
+class DistInfo:
+    """What a rank needs to know about itself after `init()`."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: Any  # torch.device
+
+
+def _require_torchrun() -> None:
+    missing = [name for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"{', '.join(missing)} not set: this code must run under torchrun "
+            "(a %%torchrun cell, or `torchrun --nproc-per-node 2 script.py`)"
+        )
+
+
+def _choice() -> BackendChoice:
+    if ENV_BACKEND in os.environ:
+        return BackendChoice(os.environ[ENV_BACKEND], os.environ.get(ENV_DEVICE, "cpu"), "set by the launcher")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return choose_backend(local_world)
+
+
+def backend() -> str:
+    """The backend this rank should use: "nccl" with a GPU per rank, else "gloo"."""
+    return _choice().backend
+
+
+def device() -> Any:
+    """This rank's device: `cuda:LOCAL_RANK` under NCCL, else `cpu`."""
+    import torch
+
+    if _choice().device_type == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def init(*, timeout_s: float = 60.0) -> DistInfo:
+    """Start the default process group with the course's backend and device.
+
+    Equivalent to `dist.init_process_group(backend, timeout=...)` plus
+    `torch.cuda.set_device(LOCAL_RANK)` under NCCL. A short timeout (default
+    60 s instead of torch's 10-30 min) makes a stuck collective fail quickly.
+    """
+    import torch
+    import torch.distributed as dist
+
+    _require_torchrun()
+    choice = _choice()
+    dev = device()
+    if dev.type == "cuda":
+        # NCCL needs each process on its own GPU, chosen before the group starts.
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=choice.backend,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=dev if dev.type == "cuda" else None,
+        )
+    rank = dist.get_rank()
+    if rank == 0 and ENV_BACKEND not in os.environ:
+        # Outside a notebook cell nobody printed the header: say it here.
+        print(choice.header(dist.get_world_size()), flush=True)
+    return DistInfo(rank, dist.get_world_size(), int(os.environ["LOCAL_RANK"]), choice.backend, dev)
+
+
+def print0(*args: Any, **kwargs: Any) -> None:
+    """`print` on global rank 0 only (every rank must still run the code around it)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        kwargs.setdefault("flush", True)
+        print(*args, **kwargs)
+
+
+def publish(name: str, value: Any) -> None:
+    """Send `value` back to the notebook: after the cell, `cl.results[name][rank] == value`.
+
+    Outside a notebook cell (plain torchrun) there is no notebook to send to,
+    so this does nothing. Values are saved with `torch.save`, so tensors,
+    numbers, strings, lists and dicts of them all work.
+    """
+    results_dir = os.environ.get(ENV_RESULTS_DIR)
+    if not results_dir:
+        return
+    if not name.isidentifier():
+        raise ValueError(f"publish name must be an identifier, got {name!r}")
+    import torch
+
+    rank = int(os.environ.get("RANK", "0"))
+    target = pathlib.Path(results_dir) / f"{name}.rank{rank}.pt"
+    tmp = target.with_suffix(".tmp")
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu()
+    torch.save(value, tmp)
+    os.replace(tmp, target)  # atomic: the kernel never reads a half-written file

@@ -1,0 +1,235 @@
+"""Run a script on N real ranks with `torchrun --standalone` and collect everything.
+
+`run_torchrun(script, nproc)` writes the script to a private temporary
+folder, launches it with real torchrun, follows each rank's stdout/stderr
+log file (torchrun's `--redirects 3 --log-dir`), enforces a deadline, and
+returns a `LaunchResult`: per-rank output, per-rank exit codes, which ranks
+were still running when the deadline hit, and the values ranks published.
+"""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Callable
+
+from . import rank as rank_env
+from .backend import BackendChoice, choose_backend
+from .output import clean_paths, parse_torchrun_failures
+from .procs import ProcessTree
+
+__all__ = ["LaunchResult", "run_torchrun", "torchrun_command"]
+
+POLL_S = 0.05  # how often we look at the log files and the deadline
+TREE_REFRESH_S = 0.25  # how often we record new descendant processes
+
+OutputCallback = Callable[[int, str, str], None]  # (rank, "stdout"|"stderr", text)
+
+
+@dataclasses.dataclass
+class LaunchResult:
+    nproc: int
+    choice: BackendChoice
+    stdout: dict[int, str]
+    stderr: dict[int, str]
+    exit_codes: dict[int, int | None]  # None: still running at the deadline/interrupt, killed by us
+    root_cause: int | None  # the rank torchrun saw fail first
+    timed_out: bool
+    interrupted: bool
+    agent_output: str  # torchrun's own stdout+stderr
+    agent_exit_code: int | None
+    results: dict[str, dict[int, Any]]
+    elapsed_s: float
+
+    @property
+    def ok(self) -> bool:
+        return not (self.timed_out or self.interrupted) and self.agent_exit_code == 0
+
+    @property
+    def unfinished(self) -> list[int]:
+        return sorted(r for r, code in self.exit_codes.items() if code is None)
+
+    @property
+    def failed(self) -> list[int]:
+        return sorted(r for r, code in self.exit_codes.items() if code not in (0, None))
+
+
+def torchrun_command(script: str, nproc: int, log_dir: str | None = None) -> list[str]:
+    """The command line: `python -m torch.distributed.run` is the `torchrun` entry point."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    if log_dir is not None:
+        cmd += [f"--log-dir={log_dir}", "--redirects=3"]
+    return cmd + [script]
+
+
+def _child_env(choice: BackendChoice, results_dir: pathlib.Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # also silences torchrun's 4-line warning
+    env["PYTHONUNBUFFERED"] = "1"  # lines reach the log files (and the live view) at once
+    env[rank_env.ENV_BACKEND] = choice.backend
+    env[rank_env.ENV_DEVICE] = choice.device_type
+    env[rank_env.ENV_RESULTS_DIR] = str(results_dir)
+    # Ranks import the same course_lib as the kernel, installed or not.
+    package_parent = str(pathlib.Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
+    return env
+
+
+class _LogFollower:
+    """Follows `<log_dir>/<run id>/attempt_0/<local_rank>/{stdout,stderr}.log` as torchrun creates them."""
+
+    def __init__(self, log_dir: pathlib.Path, nproc: int):
+        self.log_dir = log_dir
+        self.nproc = nproc
+        self.files: dict[tuple[int, str], Any] = {}
+        self.decoders: dict[tuple[int, str], Any] = {}
+        self.text: dict[tuple[int, str], list[str]] = {
+            (r, s): [] for r in range(nproc) for s in ("stdout", "stderr")
+        }
+
+    def _open_new(self) -> None:
+        if len(self.files) == 2 * self.nproc:
+            return
+        for path in self.log_dir.glob("*/attempt_*/*/*.log"):
+            key = (int(path.parent.name), path.stem)
+            if key in self.text and key not in self.files:
+                self.files[key] = open(path, "rb")
+                self.decoders[key] = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def poll(self) -> list[tuple[int, str, str]]:
+        """New text since the last call, as (rank, stream, text)."""
+        self._open_new()
+        new = []
+        for key, handle in self.files.items():
+            data = handle.read()
+            if data:
+                text = self.decoders[key].decode(data)
+                if text:
+                    self.text[key].append(text)
+                    new.append((key[0], key[1], text))
+        return new
+
+    def close(self) -> None:
+        for handle in self.files.values():
+            handle.close()
+
+    def joined(self, stream: str) -> dict[int, str]:
+        return {r: "".join(self.text[(r, stream)]) for r in range(self.nproc)}
+
+
+def _read_results(results_dir: pathlib.Path) -> dict[str, dict[int, Any]]:
+    import torch
+
+    results: dict[str, dict[int, Any]] = {}
+    for path in sorted(results_dir.glob("*.rank*.pt")):
+        name, _, rank = path.stem.rpartition(".rank")
+        # Written by the ranks we started, in a folder only this user can read.
+        results.setdefault(name, {})[int(rank)] = torch.load(path, weights_only=False)
+    return {name: dict(sorted(by_rank.items())) for name, by_rank in results.items()}
+
+
+def run_torchrun(
+    script: str,
+    nproc: int,
+    *,
+    backend: str = "auto",
+    timeout_s: float = 120.0,
+    on_output: OutputCallback | None = None,
+    cwd: str | None = None,
+) -> LaunchResult:
+    """Run `script` on `nproc` ranks; return when all exit, the deadline passes, or on Ctrl-C.
+
+    On a deadline or a KeyboardInterrupt every process this launch started is
+    killed by PID and the result says which ranks had not finished; the
+    interrupt is reported through `result.interrupted`, not re-raised.
+    """
+    choice = choose_backend(nproc, backend)
+    run_dir = pathlib.Path(tempfile.mkdtemp(prefix="course_lib_"))  # mode 0700
+    try:
+        script_path = run_dir / "cell.py"
+        script_path.write_text(script)
+        results_dir = run_dir / "results"
+        results_dir.mkdir()
+        log_dir = run_dir / "logs"
+        return _launch_and_follow(script_path, log_dir, results_dir, nproc, choice, timeout_s, on_output, cwd)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _launch_and_follow(script_path, log_dir, results_dir, nproc, choice, timeout_s, on_output, cwd) -> LaunchResult:
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        torchrun_command(str(script_path), nproc, str(log_dir)),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=_child_env(choice, results_dir),
+        cwd=cwd,
+        start_new_session=True,  # Ctrl-C in the kernel must not reach torchrun: we end it ourselves
+    )
+    tree = ProcessTree(proc.pid)
+    agent_chunks: list[bytes] = []
+    reader = threading.Thread(target=lambda: agent_chunks.extend(iter(lambda: proc.stdout.read1(65536), b"")), daemon=True)
+    reader.start()
+    follower = _LogFollower(log_dir, nproc)
+    timed_out = interrupted = False
+    unfinished: list[int] = []
+    last_refresh = 0.0
+
+    def forward(chunks):
+        if on_output is not None:
+            for rank, stream, text in chunks:
+                on_output(rank, stream, clean_paths(text, str(script_path)))
+
+    try:
+        while proc.poll() is None:
+            forward(follower.poll())
+            now = time.monotonic()
+            if now - last_refresh >= TREE_REFRESH_S:
+                tree.refresh()
+                last_refresh = now
+            if now - started >= timeout_s:
+                timed_out = True
+                break
+            time.sleep(POLL_S)
+    except KeyboardInterrupt:
+        interrupted = True
+    if timed_out or interrupted:
+        tree.refresh()
+        unfinished = sorted(tree.ranks())
+    tree.kill_all()  # after a normal exit this only ends what the ranks left behind
+    proc.wait()
+    reader.join(timeout=5)
+    forward(follower.poll())
+    follower.close()
+
+    agent_output = b"".join(agent_chunks).decode("utf-8", errors="replace")
+    failures, root = parse_torchrun_failures(agent_output)
+    exit_codes: dict[int, int | None] = {}
+    for r in range(nproc):
+        if r in unfinished:
+            exit_codes[r] = None
+        else:
+            exit_codes[r] = failures.get(r, 0)
+    return LaunchResult(
+        nproc=nproc,
+        choice=choice,
+        stdout={r: clean_paths(t, str(script_path)) for r, t in follower.joined("stdout").items()},
+        stderr={r: clean_paths(t, str(script_path)) for r, t in follower.joined("stderr").items()},
+        exit_codes=exit_codes,
+        root_cause=None if (timed_out or interrupted) else root,
+        timed_out=timed_out,
+        interrupted=interrupted,
+        agent_output=clean_paths(agent_output, str(script_path)),
+        agent_exit_code=None if (timed_out or interrupted) else proc.returncode,
+        results=_read_results(results_dir),
+        elapsed_s=time.monotonic() - started,
+    )
