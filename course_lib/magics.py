@@ -1,7 +1,7 @@
 """The `%%torchrun` cell magic: run the cell as a script on N real ranks.
 
     %load_ext course_lib
-    %%torchrun -n 2 [--backend auto|gloo|nccl] [--timeout SECONDS]
+    %%torchrun -n 2 [--backend auto|gloo|nccl] [--timeout SECONDS] [--expect-failure]
 
 The first output line names world size, backend, device and why; rank output
 appears live while the cell runs, then as rank-ordered `[rank N]` blocks
@@ -64,6 +64,9 @@ def _make_parser() -> _Parser:
     parser.add_argument("-n", "--nproc", "--nproc-per-node", type=_positive_int, default=2)
     parser.add_argument("--backend", choices=BACKEND_CHOICES, default="auto")
     parser.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT_S)
+    # For lessons that demonstrate a failure: report it without raising, so
+    # "Run All" goes on; a run that unexpectedly succeeds raises instead.
+    parser.add_argument("--expect-failure", action="store_true")
     return parser
 
 
@@ -178,8 +181,13 @@ class TorchrunMagics(Magics):
             running = ", ".join(map(str, result.unfinished)) or "none"
             print(f"interrupted; ranks still running were killed: {running}")
             raise KeyboardInterrupt
+        if result.ok and args.expect_failure:
+            raise RankFailure("--expect-failure was given, but every rank exited 0")
         if not result.ok:
-            raise RankFailure(_failure_message(result, args.timeout))
+            if args.expect_failure:
+                print(f"as expected, {_failure_message(result, args.timeout)}")
+            else:
+                raise RankFailure(_failure_message(result, args.timeout))
 
 
 _last_result: LaunchResult | None = None

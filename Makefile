@@ -1,0 +1,37 @@
+# make lab   install (first time only) and open the course in JupyterLab
+# make test  install (first time only) and run every test, notebooks included
+#
+# TORCH_SPEC picks the PyTorch build. The default is the version the course is
+# tested with; override it to use another, e.g. `make lab TORCH_SPEC="torch>=2.6"`.
+PYTHON     ?= python3
+VENV       ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN        := $(VENV)/bin
+
+.PHONY: install lab test notebooks clean
+
+install: $(VENV)/.installed
+
+# Torch is installed on its own first so that the package's range (torch>=2.6)
+# is already met and pip does not fetch a different build.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip
+	$(BIN)/python -m pip install "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -e ".[test]"
+	touch $@
+
+lab: install
+	HF_HUB_OFFLINE=1 $(BIN)/jupyter lab notebooks/00_setup.ipynb
+
+test: install
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest
+
+# Re-execute the lesson notebooks and store their outputs (what nbval compares).
+notebooks: install
+	cd notebooks && for nb in *.ipynb; do \
+	  HF_HUB_OFFLINE=1 ../$(BIN)/jupyter nbconvert --to notebook --execute --inplace \
+	    --ExecutePreprocessor.timeout=600 "$$nb" || exit 1; done
+
+clean:
+	rm -rf $(VENV)
