@@ -5,7 +5,7 @@ On a rank: `import course_lib as cl; cl.init(); cl.print0(...); cl.publish(...)`
 Importing this package on a rank is cheap: IPython parts load only in a kernel.
 """
 
-from .backend import BackendChoice, BackendError, choose_backend
+from .backend_choice import BackendChoice, BackendError, choose_backend
 from .machine import describe_machine
 from .rank import DistInfo, backend, device, init, print0, publish
 from .results import results

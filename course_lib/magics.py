@@ -13,6 +13,7 @@ interrupted run says which ranks did what.
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import sys
 import time
@@ -21,8 +22,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display
 
-from .backend import BACKEND_CHOICES, BackendError, choose_backend
-from .output import exit_summary, rank_block
+from .backend_choice import BACKEND_CHOICES, BackendError, choose_backend
+from .output import describe_exit, exit_summary, rank_block
 from .results import results
 from .torchrun import LaunchResult, run_torchrun
 
@@ -54,8 +55,8 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"timeout must be positive, got {text}")
+    if not (math.isfinite(value) and value > 0):  # "nan" would mean no deadline at all
+        raise argparse.ArgumentTypeError(f"timeout must be a positive number of seconds, got {text}")
     return value
 
 
@@ -93,12 +94,17 @@ class RankFailure(Exception):
 def _failure_message(result: LaunchResult, timeout_s: float) -> str:
     if result.timed_out:
         stuck = ", ".join(map(str, result.unfinished)) or "none"
-        return f"deadline of {timeout_s:g} s passed; ranks still running: {stuck}; every process of this cell was killed"
+        message = f"deadline of {timeout_s:g} s passed; ranks still running: {stuck}"
+        if result.not_started:
+            message += f"; not started yet: {', '.join(map(str, result.not_started))}"
+        return message + "; every process of this cell was killed"
     if result.failed:
         first = result.root_cause if result.root_cause is not None else result.failed[0]
         last_line = next((ln for ln in reversed(result.stderr.get(first, "").splitlines()) if ln.strip()), "")
         why = f": {last_line.strip()}" if last_line else ""
-        return f"rank {first} failed with exit code {result.exit_codes[first]}{why}"
+        code = result.exit_codes[first]
+        how = f"exit code {code}" if code >= 0 else f"signal {describe_exit(code)}"
+        return f"rank {first} failed with {how}{why}"
     detail = result.agent_output.strip().splitlines()[-1:] or ["no output"]
     return f"torchrun exited with code {result.agent_exit_code}: {detail[0]}"
 
@@ -115,16 +121,23 @@ class _LiveView:
         self.lines: list[str] = []
         self.partial: dict[tuple[int, str], str] = {}
         self.last = 0.0
+        self.dirty = False
 
     def add(self, rank: int, stream: str, text: str) -> None:
         buf = self.partial.get((rank, stream), "") + text
         *complete, self.partial[(rank, stream)] = buf.split("\n")
         self.lines.extend(f"[rank {rank}] {line}" for line in complete)
         del self.lines[:-LIVE_LINES]
+        self.dirty = self.dirty or bool(complete)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Show new lines, at most every LIVE_REFRESH_S; called on every poll so none stays hidden."""
         now = time.monotonic()
-        if now - self.last >= LIVE_REFRESH_S and self.handle is not None:
+        if self.dirty and now - self.last >= LIVE_REFRESH_S and self.handle is not None:
             self.handle.update({"text/plain": "\n".join(self.lines)}, raw=True)
             self.last = now
+            self.dirty = False
 
     def close(self) -> None:
         if self.handle is not None:
@@ -145,7 +158,7 @@ def report(result: LaunchResult) -> None:
         sys.stderr.write(err)
         sys.stderr.flush()
     if not result.ok:
-        print(exit_summary(result.exit_codes))
+        print(exit_summary(result.exit_codes, result.not_started))
 
 
 @magics_class
@@ -161,7 +174,8 @@ class TorchrunMagics(Magics):
         try:
             compile(cell, "<cell>", "exec")
         except SyntaxError as exc:
-            raise UsageError(f"%%torchrun: the cell does not parse: line {exc.lineno}: {exc.msg}") from None
+            # +1: the learner counts the %%torchrun line as line 1 of the cell.
+            raise UsageError(f"%%torchrun: the cell does not parse: line {(exc.lineno or 0) + 1}: {exc.msg}") from None
         try:
             choice = choose_backend(args.nproc, args.backend)
         except BackendError as exc:
@@ -170,7 +184,15 @@ class TorchrunMagics(Magics):
         print(choice.header(args.nproc), flush=True)
         live = _LiveView()
         try:
-            result = run_torchrun(cell, args.nproc, backend=args.backend, timeout_s=args.timeout, on_output=live.add)
+            result = run_torchrun(
+                cell,
+                args.nproc,
+                backend=args.backend,
+                timeout_s=args.timeout,
+                on_output=live.add,
+                on_poll=live.refresh,
+                first_line=f"%%torchrun {line.strip()}".strip(),  # tracebacks then count lines as the cell does
+            )
         finally:
             live.close()
         results.update(result.results)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 import signal
 
-__all__ = ["MAX_LINES_PER_RANK", "clean_paths", "describe_exit", "exit_summary", "parse_torchrun_failures", "rank_block"]
+__all__ = ["MAX_LINES_PER_RANK", "clean_paths", "clean_rank_text", "describe_exit", "exit_summary", "parse_torchrun_failures", "rank_block"]
 
 MAX_LINES_PER_RANK = 400
 
@@ -37,13 +37,19 @@ def clean_paths(text: str, script_path: str, label: str = "<cell>") -> str:
     return text.replace(script_path, label)
 
 
+def clean_rank_text(rank: int, text: str, script_path: str) -> str:
+    """Stable script label, and without torch's own "[rankN]: " prefix (we add "[rank N]")."""
+    return re.sub(rf"^\[rank{rank}\]: ?", "", clean_paths(text, script_path), flags=re.MULTILINE)
+
+
 def rank_block(rank: int, text: str, max_lines: int = MAX_LINES_PER_RANK) -> str:
     """Prefix every line with `[rank N]`; keep the first and last lines of very long output."""
     lines = text.splitlines()
     if len(lines) > max_lines:
-        half = max_lines // 2
-        omitted = len(lines) - 2 * half
-        lines = lines[:half] + [f"... {omitted} lines omitted ..."] + lines[-half:]
+        head = max_lines // 2
+        tail = max_lines - head
+        omitted = len(lines) - max_lines
+        lines = lines[:head] + [f"... {omitted} lines omitted ..."] + lines[len(lines) - tail:]
     return "".join(f"[rank {rank}] {line}\n" for line in lines)
 
 
@@ -63,9 +69,10 @@ def describe_exit(code: int | None) -> str:
     return str(code)
 
 
-def exit_summary(exit_codes: dict[int, int | None]) -> str:
+def exit_summary(exit_codes: dict[int, int | None], not_started: list[int] = ()) -> str:
     """One line, e.g. "exit: ranks 0, 2 -> 0; rank 1 -> 1; rank 3 -> SIGTERM"."""
     groups: dict[str, list[int]] = {}
     for rank in sorted(exit_codes):
-        groups.setdefault(describe_exit(exit_codes[rank]), []).append(rank)
+        what = "not started" if rank in not_started else describe_exit(exit_codes[rank])
+        groups.setdefault(what, []).append(rank)
     return "exit: " + "; ".join(f"{_ranks_phrase(ranks)} -> {what}" for what, ranks in groups.items())

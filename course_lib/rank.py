@@ -14,7 +14,7 @@ import os
 import pathlib
 from typing import Any
 
-from .backend import BackendChoice, choose_backend
+from .backend_choice import BackendChoice, choose_backend
 
 __all__ = ["DistInfo", "backend", "device", "init", "print0", "publish"]
 

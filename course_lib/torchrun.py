@@ -22,9 +22,9 @@ import time
 from typing import Any, Callable
 
 from . import rank as rank_env
-from .backend import BackendChoice, choose_backend
-from .output import clean_paths, parse_torchrun_failures
-from .procs import ProcessTree
+from .backend_choice import BackendChoice, choose_backend
+from .output import clean_paths, clean_rank_text, parse_torchrun_failures
+from .procs import ENV_LAUNCH_MARK, ProcessTree, new_mark
 
 __all__ = ["LaunchResult", "run_torchrun", "torchrun_command"]
 
@@ -32,6 +32,7 @@ POLL_S = 0.05  # how often we look at the log files and the deadline
 TREE_REFRESH_S = 0.25  # how often we record new descendant processes
 
 OutputCallback = Callable[[int, str, str], None]  # (rank, "stdout"|"stderr", text)
+PollCallback = Callable[[], None]  # called every poll, e.g. to refresh a live view
 
 
 @dataclasses.dataclass
@@ -40,7 +41,8 @@ class LaunchResult:
     choice: BackendChoice
     stdout: dict[int, str]
     stderr: dict[int, str]
-    exit_codes: dict[int, int | None]  # None: still running at the deadline/interrupt, killed by us
+    exit_codes: dict[int, int | None]  # None: killed by us at the deadline/interrupt, or never started
+    not_started: list[int]  # ranks torchrun had not started when the deadline/interrupt came
     root_cause: int | None  # the rank torchrun saw fail first
     timed_out: bool
     interrupted: bool
@@ -55,7 +57,8 @@ class LaunchResult:
 
     @property
     def unfinished(self) -> list[int]:
-        return sorted(r for r, code in self.exit_codes.items() if code is None)
+        """Ranks that were still running when the deadline or interrupt came (and were killed)."""
+        return sorted(r for r, code in self.exit_codes.items() if code is None and r not in self.not_started)
 
     @property
     def failed(self) -> list[int]:
@@ -70,8 +73,9 @@ def torchrun_command(script: str, nproc: int, log_dir: str | None = None) -> lis
     return cmd + [script]
 
 
-def _child_env(choice: BackendChoice, results_dir: pathlib.Path) -> dict[str, str]:
+def _child_env(choice: BackendChoice, results_dir: pathlib.Path, mark: str) -> dict[str, str]:
     env = dict(os.environ)
+    env[ENV_LAUNCH_MARK] = mark  # inherited by every process of this launch: see procs.py
     env.setdefault("OMP_NUM_THREADS", "1")  # also silences torchrun's 4-line warning
     env["PYTHONUNBUFFERED"] = "1"  # lines reach the log files (and the live view) at once
     env[rank_env.ENV_BACKEND] = choice.backend
@@ -121,6 +125,10 @@ class _LogFollower:
         for handle in self.files.values():
             handle.close()
 
+    def started(self) -> set[int]:
+        """Ranks torchrun has started: it creates a rank's log files as it starts the rank."""
+        return {rank for rank, _ in self.files}
+
     def joined(self, stream: str) -> dict[int, str]:
         return {r: "".join(self.text[(r, stream)]) for r in range(self.nproc)}
 
@@ -143,39 +151,44 @@ def run_torchrun(
     backend: str = "auto",
     timeout_s: float = 120.0,
     on_output: OutputCallback | None = None,
+    on_poll: PollCallback | None = None,
     cwd: str | None = None,
+    first_line: str = "",
 ) -> LaunchResult:
     """Run `script` on `nproc` ranks; return when all exit, the deadline passes, or on Ctrl-C.
 
     On a deadline or a KeyboardInterrupt every process this launch started is
     killed by PID and the result says which ranks had not finished; the
     interrupt is reported through `result.interrupted`, not re-raised.
+    `first_line`, if given, is written as a comment above the script, so that
+    line numbers in tracebacks match a notebook cell whose first line is the magic.
     """
     choice = choose_backend(nproc, backend)
     run_dir = pathlib.Path(tempfile.mkdtemp(prefix="course_lib_"))  # mode 0700
     try:
         script_path = run_dir / "cell.py"
-        script_path.write_text(script)
+        script_path.write_text(f"# {first_line}\n{script}" if first_line else script)
         results_dir = run_dir / "results"
         results_dir.mkdir()
         log_dir = run_dir / "logs"
-        return _launch_and_follow(script_path, log_dir, results_dir, nproc, choice, timeout_s, on_output, cwd)
+        return _launch_and_follow(script_path, log_dir, results_dir, nproc, choice, timeout_s, on_output, on_poll, cwd)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _launch_and_follow(script_path, log_dir, results_dir, nproc, choice, timeout_s, on_output, cwd) -> LaunchResult:
+def _launch_and_follow(script_path, log_dir, results_dir, nproc, choice, timeout_s, on_output, on_poll, cwd):
     started = time.monotonic()
+    mark = new_mark()
     proc = subprocess.Popen(
         torchrun_command(str(script_path), nproc, str(log_dir)),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        env=_child_env(choice, results_dir),
+        env=_child_env(choice, results_dir, mark),
         cwd=cwd,
         start_new_session=True,  # Ctrl-C in the kernel must not reach torchrun: we end it ourselves
     )
-    tree = ProcessTree(proc.pid)
+    tree = ProcessTree(proc.pid, mark)
     agent_chunks: list[bytes] = []
     reader = threading.Thread(target=lambda: agent_chunks.extend(iter(lambda: proc.stdout.read1(65536), b"")), daemon=True)
     reader.start()
@@ -187,11 +200,13 @@ def _launch_and_follow(script_path, log_dir, results_dir, nproc, choice, timeout
     def forward(chunks):
         if on_output is not None:
             for rank, stream, text in chunks:
-                on_output(rank, stream, clean_paths(text, str(script_path)))
+                on_output(rank, stream, clean_rank_text(rank, text, str(script_path)))
 
     try:
         while proc.poll() is None:
             forward(follower.poll())
+            if on_poll is not None:
+                on_poll()
             now = time.monotonic()
             if now - last_refresh >= TREE_REFRESH_S:
                 tree.refresh()
@@ -210,21 +225,25 @@ def _launch_and_follow(script_path, log_dir, results_dir, nproc, choice, timeout
     reader.join(timeout=5)
     forward(follower.poll())
     follower.close()
+    not_started = sorted(set(range(nproc)) - follower.started()) if (timed_out or interrupted) else []
 
     agent_output = b"".join(agent_chunks).decode("utf-8", errors="replace")
     failures, root = parse_torchrun_failures(agent_output)
     exit_codes: dict[int, int | None] = {}
     for r in range(nproc):
-        if r in unfinished:
+        if r in unfinished or r in not_started:
             exit_codes[r] = None
         else:
+            # A rank that ended before a deadline ended with 0: had it failed,
+            # torchrun would have stopped the run and listed it in `failures`.
             exit_codes[r] = failures.get(r, 0)
     return LaunchResult(
         nproc=nproc,
         choice=choice,
-        stdout={r: clean_paths(t, str(script_path)) for r, t in follower.joined("stdout").items()},
-        stderr={r: clean_paths(t, str(script_path)) for r, t in follower.joined("stderr").items()},
+        stdout={r: clean_rank_text(r, t, str(script_path)) for r, t in follower.joined("stdout").items()},
+        stderr={r: clean_rank_text(r, t, str(script_path)) for r, t in follower.joined("stderr").items()},
         exit_codes=exit_codes,
+        not_started=not_started,
         root_cause=None if (timed_out or interrupted) else root,
         timed_out=timed_out,
         interrupted=interrupted,

@@ -1,0 +1,334 @@
+"""course_lib.torchrun: real `torchrun --standalone` launches on gloo, 2 and 4 ranks.
+
+Each launch costs seconds, so one launch per scenario is shared by the tests
+that look at it (module-scoped fixtures). Every launch goes through
+`proc_helpers.launch`, which records each descendant while it runs and finds
+leftovers afterwards by an environment mark, even re-parented ones.
+"""
+
+import signal
+
+import psutil
+import pytest
+import torch
+
+from course_lib.magics import report
+from course_lib.output import exit_summary, rank_block
+from proc_helpers import RAISING_LINE, launch, no_new_children, raising_launch, still_alive
+
+WORLD_SIZES = [2, 4]
+
+
+@pytest.fixture(autouse=True)
+def _no_child_survives_a_test():
+    with no_new_children():
+        yield
+
+
+def _assert_nothing_left(run, *pids):
+    """Every process seen during the launch, and the given PIDs, are gone."""
+    assert run.leftovers == []
+    assert still_alive(run.seen.values(), timeout_s=0.5) == []
+    for pid in pids:
+        assert pid in run.seen, f"PID {pid} was never seen by the ledger"
+        assert not psutil.pid_exists(pid) or not still_alive([run.seen[pid]], timeout_s=0.5)
+
+
+def _live_text(run, rank, stream):
+    return "".join(text for r, s, text in run.chunks if (r, s) == (rank, stream))
+
+
+# ---------------------------------------------------------------- a run that works
+
+OK_SCRIPT = """
+import os
+import torch
+import torch.distributed as dist
+import course_lib as cl
+
+info = cl.init(timeout_s=30)
+torch.manual_seed(info.rank)
+local = torch.randn(6)
+print(f"rank {info.rank} of {info.world_size}", flush=True)
+print(f"pid {os.getpid()}", flush=True)
+reduced = local.clone()
+dist.all_reduce(reduced)  # SUM over ranks
+cl.publish("local", local)
+cl.publish("reduced", reduced)
+cl.publish("info", {"rank": info.rank, "world_size": info.world_size, "backend": info.backend,
+                    "device": str(info.device), "pid": os.getpid()})
+cl.publish("word", f"r{info.rank}")
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"{n}ranks")
+def ok_run(request):
+    return launch(OK_SCRIPT, request.param, timeout_s=90)
+
+
+def test_ok_every_rank_exits_0(ok_run):
+    result = ok_run.result
+    n = result.nproc
+    assert result.ok, result.agent_output
+    assert result.exit_codes == {r: 0 for r in range(n)}
+    assert (result.failed, result.unfinished, result.root_cause) == ([], [], None)
+    assert (result.timed_out, result.interrupted, result.agent_exit_code) == (False, False, 0)
+    assert (result.choice.backend, result.choice.device_type) == ("gloo", "cpu")
+
+
+def test_ok_each_rank_output_is_its_own_in_order(ok_run):
+    result = ok_run.result
+    n = result.nproc
+    pids = {r: v["pid"] for r, v in result.results["info"].items()}
+    assert list(result.stdout) == list(range(n))
+    for r in range(n):
+        assert result.stdout[r] == f"rank {r} of {n}\npid {pids[r]}\n"
+        assert result.stderr[r] == ""
+
+
+def test_ok_live_output_adds_up_to_the_final_output(ok_run):
+    for r in range(ok_run.result.nproc):
+        assert _live_text(ok_run, r, "stdout") == ok_run.result.stdout[r]
+        assert _live_text(ok_run, r, "stderr") == ok_run.result.stderr[r]
+
+
+def test_ok_report_prints_rank_blocks_in_rank_order(ok_run, capsys):
+    result = ok_run.result
+    report(result)
+    out, err = capsys.readouterr()
+    assert out == "".join(rank_block(r, result.stdout[r]) for r in range(result.nproc))
+    assert err == ""
+    ranks_in_order = [int(line.split("]")[0].removeprefix("[rank ")) for line in out.splitlines()]
+    assert ranks_in_order == sorted(ranks_in_order)
+
+
+def test_ok_all_reduce_matches_the_single_process_sum(ok_run):
+    n = ok_run.result.nproc
+    inputs = []
+    for r in range(n):
+        torch.manual_seed(r)
+        inputs.append(torch.randn(6))
+    expected = torch.stack(inputs).sum(dim=0)
+    results = ok_run.result.results
+    for r in range(n):
+        torch.testing.assert_close(results["local"][r], inputs[r], rtol=0, atol=0)
+        torch.testing.assert_close(results["reduced"][r], expected)
+
+
+def test_ok_publish_returns_rank_to_value_for_every_rank(ok_run):
+    n = ok_run.result.nproc
+    results = ok_run.result.results
+    assert sorted(results) == ["info", "local", "reduced", "word"]
+    for name, by_rank in results.items():
+        assert list(by_rank) == list(range(n)), name
+    assert results["word"] == {r: f"r{r}" for r in range(n)}
+    for r, info in results["info"].items():
+        assert info["rank"] == r
+        assert (info["world_size"], info["backend"], info["device"]) == (n, "gloo", "cpu")
+    assert all(isinstance(t, torch.Tensor) and t.shape == (6,) for t in results["reduced"].values())
+
+
+def test_ok_no_process_left(ok_run):
+    pids = [info["pid"] for info in ok_run.result.results["info"].values()]
+    _assert_nothing_left(ok_run, *pids)
+
+
+# ---------------------------------------------------------------- a rank that raises
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"{n}ranks")
+def raise_run(request):
+    return raising_launch(request.param)
+
+
+def test_raise_exit_codes_and_root_cause(raise_run):
+    result = raise_run.result
+    n = result.nproc
+    bad = n - 1
+    assert not result.ok
+    # torchrun ends the ranks still running with SIGTERM once one fails.
+    assert result.exit_codes == {**{r: -signal.SIGTERM for r in range(n - 1)}, bad: 1}
+    assert result.root_cause == bad
+    assert result.failed == list(range(n))
+    assert (result.timed_out, result.interrupted, result.unfinished) == (False, False, [])
+    assert result.agent_exit_code not in (0, None)
+
+
+def test_raise_traceback_names_the_cell_not_the_temp_file(raise_run):
+    result = raise_run.result
+    bad = result.nproc - 1
+    err = result.stderr[bad]
+    assert f'File "<cell>", line {RAISING_LINE}, in <module>' in err
+    assert err.rstrip().endswith(f"ValueError: rank {bad} gives up")
+    for text in [*result.stdout.values(), *result.stderr.values(), result.agent_output]:
+        assert "cell.py" not in text and "course_lib_" not in text
+    assert all(result.stdout[r] == f"rank {r} ready\n" for r in range(result.nproc))
+
+
+def test_raise_report_puts_the_failing_rank_first_and_summarises(raise_run, capsys):
+    result = raise_run.result
+    bad = result.nproc - 1
+    report(result)
+    out, err = capsys.readouterr()
+    assert err.startswith(f"[rank {bad}] Traceback") or err.startswith(f"[rank {bad}] [rank{bad}]: Traceback")
+    assert out.splitlines()[-1] == exit_summary(result.exit_codes)
+
+
+def test_raise_no_process_left(raise_run):
+    _assert_nothing_left(raise_run)
+
+
+# ---------------------------------------------------------------- exit codes and signals
+
+
+@pytest.fixture(scope="module")
+def exit3_run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("cwd")
+    run = launch(
+        """
+        import os, time
+        print(os.getcwd(), flush=True)
+        if os.environ["RANK"] == "0":
+            os._exit(3)
+        time.sleep(60)
+        """,
+        2,
+        timeout_s=60,
+        cwd=str(workdir),
+    )
+    return run, workdir
+
+
+def test_os_exit_code_is_reported(exit3_run):
+    run, _ = exit3_run
+    result = run.result
+    assert result.exit_codes == {0: 3, 1: -signal.SIGTERM}
+    assert result.root_cause == 0
+    assert exit_summary(result.exit_codes) == "exit: rank 0 -> 3; rank 1 -> SIGTERM"
+    _assert_nothing_left(run)
+
+
+def test_ranks_run_in_the_given_cwd(exit3_run):
+    run, workdir = exit3_run
+    assert run.result.stdout == {0: f"{workdir}\n", 1: f"{workdir}\n"}
+
+
+def test_sigkilled_rank_is_reported_by_signal():
+    run = launch(
+        """
+        import os, signal, time
+        print(f"pid {os.getpid()}", flush=True)
+        if os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+        """,
+        2,
+        timeout_s=60,
+    )
+    result = run.result
+    assert result.exit_codes == {0: -signal.SIGTERM, 1: -signal.SIGKILL}
+    assert result.root_cause == 1
+    assert "rank 1 -> SIGKILL" in exit_summary(result.exit_codes)
+    pids = [int(result.stdout[r].split()[1]) for r in range(2)]
+    _assert_nothing_left(run, *pids)
+
+
+# ---------------------------------------------------------------- deadline
+
+
+@pytest.fixture(scope="module")
+def deadline_run():
+    # Each rank starts a helper process of its own, then never finishes.
+    return launch(
+        """
+        import os, subprocess, time
+        helper = subprocess.Popen(["sleep", "300"])
+        print(f"pid {os.getpid()} helper {helper.pid}", flush=True)
+        while True:
+            time.sleep(1)
+        """,
+        2,
+        timeout_s=3,
+    )
+
+
+def test_deadline_returns_in_bounded_time(deadline_run):
+    result = deadline_run.result
+    assert 3 <= deadline_run.elapsed_s < 3 + 5
+    assert result.timed_out and not result.ok
+    assert result.unfinished == [0, 1]
+    assert result.exit_codes == {0: None, 1: None}
+    assert (result.root_cause, result.agent_exit_code, result.interrupted) == (None, None, False)
+    assert exit_summary(result.exit_codes) == "exit: ranks 0, 1 -> still running, killed"
+
+
+def test_deadline_kills_ranks_and_their_children(deadline_run):
+    result = deadline_run.result
+    pids = []
+    for r in range(2):
+        words = result.stdout[r].split()
+        assert words[0::2] == ["pid", "helper"], result.stdout
+        pids += [int(words[1]), int(words[3])]
+    assert sorted(deadline_run.names[p] for p in pids[1::2]) == ["sleep", "sleep"]
+    _assert_nothing_left(deadline_run, *pids)
+
+
+def test_stuck_collective_ends_by_the_deadline():
+    # Rank 1 skips the all_reduce rank 0 waits in. The deadline leaves time for
+    # torchrun, `import torch` and init to reach the collective (3-4 s measured).
+    timeout_s = 9
+    run = launch(
+        """
+        import time
+        import torch
+        import torch.distributed as dist
+        import course_lib as cl
+        info = cl.init(timeout_s=60)
+        if info.rank == 0:
+            print("entering all_reduce", flush=True)
+            dist.all_reduce(torch.ones(1))
+            print("all_reduce returned", flush=True)
+        else:
+            print("skipping the all_reduce", flush=True)
+            time.sleep(600)
+        """,
+        2,
+        timeout_s=timeout_s,
+    )
+    result = run.result
+    assert run.elapsed_s < timeout_s + 5
+    assert result.stdout == {0: "entering all_reduce\n", 1: "skipping the all_reduce\n"}
+    assert result.timed_out or result.failed
+    assert not result.ok
+    if result.timed_out:
+        assert result.unfinished == [0, 1]
+    _assert_nothing_left(run)
+
+
+# ---------------------------------------------------------------- regressions (bugs found by these tests)
+
+
+def test_helper_started_just_before_a_rank_exits_is_cleaned_up():
+    run = launch(
+        """
+        import os, subprocess
+        helper = subprocess.Popen(["sleep", "300"])
+        print(helper.pid, flush=True)
+        os._exit(0)
+        """,
+        2,
+        timeout_s=60,
+    )
+    assert run.result.ok
+    assert run.leftovers == []  # the helper killed the survivors after recording them
+
+
+def test_deadline_before_ranks_start_does_not_report_success():
+    run = launch("print('hi')\n", 2, timeout_s=0.3)
+    result = run.result
+    assert result.timed_out
+    assert run.leftovers == []
+    assert 0 not in result.exit_codes.values(), result.exit_codes
+    assert result.not_started == [0, 1]
+    assert result.unfinished == []
