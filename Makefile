@@ -27,11 +27,16 @@ lab: install
 test: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest
 
-# Re-execute the lesson notebooks and store their outputs (what nbval compares).
+# Re-execute the lesson notebooks and store their outputs (what nbval compares),
+# dropping the per-cell execution timestamps so diffs show only real changes.
+NB ?= notebooks/*.ipynb
 notebooks: install
-	cd notebooks && for nb in *.ipynb; do \
-	  HF_HUB_OFFLINE=1 ../$(BIN)/jupyter nbconvert --to notebook --execute --inplace \
-	    --ExecutePreprocessor.timeout=600 "$$nb" || exit 1; done
+	for nb in $(NB); do \
+	  (cd "$$(dirname "$$nb")" && HF_HUB_OFFLINE=1 $(CURDIR)/$(BIN)/jupyter nbconvert --to notebook --execute \
+	    --inplace --ExecutePreprocessor.timeout=600 "$$(basename "$$nb")") || exit 1; \
+	  $(BIN)/python -c "import nbformat, sys; nb = nbformat.read(sys.argv[1], 4); \
+	    [c.metadata.pop('execution', None) for c in nb.cells]; nbformat.write(nb, sys.argv[1])" "$$nb" || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV)
