@@ -133,6 +133,18 @@ class _LogFollower:
         return {r: "".join(self.text[(r, stream)]) for r in range(self.nproc)}
 
 
+def _start_watchdog(mark: str, env: dict[str, str]) -> subprocess.Popen:
+    """Kills this launch's processes if this (kernel) process dies first: see watchdog.py."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "course_lib.watchdog", str(os.getpid()), mark],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # a Ctrl-C in the kernel must not end it
+    )
+
+
 def _read_results(results_dir: pathlib.Path) -> dict[str, dict[int, Any]]:
     import torch
 
@@ -179,12 +191,14 @@ def run_torchrun(
 def _launch_and_follow(script_path, log_dir, results_dir, nproc, choice, timeout_s, on_output, on_poll, cwd):
     started = time.monotonic()
     mark = new_mark()
+    env = _child_env(choice, results_dir, mark)
+    watchdog = _start_watchdog(mark, {k: v for k, v in env.items() if k != ENV_LAUNCH_MARK})
     proc = subprocess.Popen(
         torchrun_command(str(script_path), nproc, str(log_dir)),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        env=_child_env(choice, results_dir, mark),
+        env=env,
         cwd=cwd,
         start_new_session=True,  # Ctrl-C in the kernel must not reach torchrun: we end it ourselves
     )
@@ -222,6 +236,8 @@ def _launch_and_follow(script_path, log_dir, results_dir, nproc, choice, timeout
         unfinished = sorted(tree.ranks())
     tree.kill_all()  # after a normal exit this only ends what the ranks left behind
     proc.wait()
+    watchdog.kill()
+    watchdog.wait()
     reader.join(timeout=5)
     forward(follower.poll())
     follower.close()

@@ -409,3 +409,21 @@ def test_kernel_shutdown_leaves_nothing(kernel):
     kernel.shutdown()
     assert still_alive([kernel_proc], timeout_s=10) == []
     assert marked_processes(kernel.mark) == []
+
+
+def test_kernel_killed_mid_cell_leaves_no_process(tmp_path):
+    """A kernel restarted (killed) while ranks run: the launch's watchdog ends them."""
+    k = Kernel(tmp_path / "kernel.log")
+    try:
+        k.execute("%load_ext course_lib", timeout_s=30)
+        k.kc.execute("%%torchrun -n 2\nimport time\nprint('up', flush=True)\ntime.sleep(300)\n")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(k.cell_processes()) < 4:  # watchdog, torchrun, 2 ranks
+            time.sleep(0.2)
+        assert len(k.cell_processes()) >= 3, describe(k.cell_processes())
+        os.kill(k.pid, 9)
+        assert still_alive(k.cell_processes(), timeout_s=10) == []
+    finally:
+        kill_quietly(k.cell_processes())
+        k.km.cleanup_resources()
+        k.log.close()

@@ -1,0 +1,63 @@
+"""Kill a launch's processes if the notebook kernel that started them dies.
+
+A kernel that is restarted or killed while a cell runs cannot clean up after
+itself, and torchrun's ranks live in sessions of their own, so nothing else
+would end them. `run_torchrun` therefore starts this small process next to
+torchrun:
+
+    python -m course_lib.watchdog KERNEL_PID LAUNCH_MARK
+
+It waits for the kernel to die, then kills every process that carries the
+launch's mark (see procs.py). When the launch ends normally, the kernel
+kills the watchdog itself.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import psutil
+
+from .procs import ENV_LAUNCH_MARK
+
+__all__ = ["watch"]
+
+CHECK_S = 0.5
+
+
+def _marked(mark: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get(ENV_LAUNCH_MARK) == mark:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def watch(kernel_pid: int, mark: str) -> None:
+    """Block until `kernel_pid` is gone, then SIGKILL every process carrying `mark`."""
+    while _alive(kernel_pid):
+        time.sleep(CHECK_S)
+    # Two passes: a rank may start a helper while we kill the first batch.
+    for _ in range(2):
+        procs = _marked(mark)
+        for proc in procs:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(procs, timeout=3)
+
+
+if __name__ == "__main__":
+    watch(int(sys.argv[1]), sys.argv[2])
