@@ -133,10 +133,10 @@ class _LogFollower:
         return {r: "".join(self.text[(r, stream)]) for r in range(self.nproc)}
 
 
-def _start_watchdog(mark: str, env: dict[str, str]) -> subprocess.Popen:
+def _start_watchdog(mark: str, run_dir: pathlib.Path, env: dict[str, str]) -> subprocess.Popen:
     """Kills this launch's processes if this (kernel) process dies first: see watchdog.py."""
     return subprocess.Popen(
-        [sys.executable, "-m", "course_lib.watchdog", str(os.getpid()), mark],
+        [sys.executable, "-m", "course_lib.watchdog", str(os.getpid()), mark, str(run_dir)],
         env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
@@ -192,7 +192,7 @@ def _launch_and_follow(script_path, log_dir, results_dir, nproc, choice, timeout
     started = time.monotonic()
     mark = new_mark()
     env = _child_env(choice, results_dir, mark)
-    watchdog = _start_watchdog(mark, {k: v for k, v in env.items() if k != ENV_LAUNCH_MARK})
+    watchdog = _start_watchdog(mark, script_path.parent, {k: v for k, v in env.items() if k != ENV_LAUNCH_MARK})
     proc = subprocess.Popen(
         torchrun_command(str(script_path), nproc, str(log_dir)),
         stdin=subprocess.DEVNULL,

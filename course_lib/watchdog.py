@@ -5,15 +5,16 @@ itself, and torchrun's ranks live in sessions of their own, so nothing else
 would end them. `run_torchrun` therefore starts this small process next to
 torchrun:
 
-    python -m course_lib.watchdog KERNEL_PID LAUNCH_MARK
+    python -m course_lib.watchdog KERNEL_PID LAUNCH_MARK RUN_DIR
 
 It waits for the kernel to die, then kills every process that carries the
-launch's mark (see procs.py). When the launch ends normally, the kernel
-kills the watchdog itself.
+launch's mark (see procs.py) and removes the launch's temporary folder. When
+the launch ends normally, the kernel kills the watchdog itself.
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 
@@ -44,8 +45,8 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def watch(kernel_pid: int, mark: str) -> None:
-    """Block until `kernel_pid` is gone, then SIGKILL every process carrying `mark`."""
+def watch(kernel_pid: int, mark: str, run_dir: str) -> None:
+    """Block until `kernel_pid` is gone, then SIGKILL every process carrying `mark` and remove `run_dir`."""
     while _alive(kernel_pid):
         time.sleep(CHECK_S)
     # Two passes: a rank may start a helper while we kill the first batch.
@@ -57,7 +58,8 @@ def watch(kernel_pid: int, mark: str) -> None:
             except psutil.NoSuchProcess:
                 pass
         psutil.wait_procs(procs, timeout=3)
+    shutil.rmtree(run_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":
-    watch(int(sys.argv[1]), sys.argv[2])
+    watch(int(sys.argv[1]), sys.argv[2], sys.argv[3])

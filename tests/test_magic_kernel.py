@@ -421,8 +421,16 @@ def test_kernel_killed_mid_cell_leaves_no_process(tmp_path):
         while time.monotonic() < deadline and len(k.cell_processes()) < 4:  # watchdog, torchrun, 2 ranks
             time.sleep(0.2)
         assert len(k.cell_processes()) >= 3, describe(k.cell_processes())
+        # The ranks run <run dir>/cell.py: the watchdog must remove that folder too.
+        scripts = {arg for p in k.cell_processes() for arg in p.cmdline() if arg.endswith("cell.py")}
+        assert len(scripts) == 1, scripts
+        run_dir = pathlib.Path(scripts.pop()).parent
         os.kill(k.pid, 9)
         assert still_alive(k.cell_processes(), timeout_s=10) == []
+        deadline = time.monotonic() + 5
+        while run_dir.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not run_dir.exists()
     finally:
         kill_quietly(k.cell_processes())
         k.km.cleanup_resources()
