@@ -15,15 +15,13 @@ from __future__ import annotations
 import argparse
 import math
 import shlex
-import sys
-import time
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
-from IPython.display import display
 
 from .backend_choice import BACKEND_CHOICES, BackendError, choose_backend
-from .output import describe_exit, exit_summary, rank_block
+from .live import LiveView, print_rank_blocks
+from .output import describe_exit, exit_summary
 from .results import results
 from .torchrun import LaunchResult, run_torchrun
 
@@ -31,8 +29,6 @@ __all__ = ["RankFailure", "TorchrunMagics", "last_result", "parse_torchrun_args"
 
 MAX_NPROC = 64
 DEFAULT_TIMEOUT_S = 120.0
-LIVE_LINES = 30  # lines kept in the live view while a cell runs
-LIVE_REFRESH_S = 0.2
 
 
 class _Parser(argparse.ArgumentParser):
@@ -109,54 +105,9 @@ def _failure_message(result: LaunchResult, timeout_s: float) -> str:
     return f"torchrun exited with code {result.agent_exit_code}: {detail[0]}"
 
 
-class _LiveView:
-    """A display that shows the latest rank lines while the cell runs, and is empty after.
-
-    It starts and ends empty so that the stored notebook (where the last
-    update wins) and nbval (which sees only the first display) agree.
-    """
-
-    def __init__(self):
-        self.handle = display({"text/plain": ""}, raw=True, display_id=True)
-        self.lines: list[str] = []
-        self.partial: dict[tuple[int, str], str] = {}
-        self.last = 0.0
-        self.dirty = False
-
-    def add(self, rank: int, stream: str, text: str) -> None:
-        buf = self.partial.get((rank, stream), "") + text
-        *complete, self.partial[(rank, stream)] = buf.split("\n")
-        self.lines.extend(f"[rank {rank}] {line}" for line in complete)
-        del self.lines[:-LIVE_LINES]
-        self.dirty = self.dirty or bool(complete)
-        self.refresh()
-
-    def refresh(self) -> None:
-        """Show new lines, at most every LIVE_REFRESH_S; called on every poll so none stays hidden."""
-        now = time.monotonic()
-        if self.dirty and now - self.last >= LIVE_REFRESH_S and self.handle is not None:
-            self.handle.update({"text/plain": "\n".join(self.lines)}, raw=True)
-            self.last = now
-            self.dirty = False
-
-    def close(self) -> None:
-        if self.handle is not None:
-            self.handle.update({"text/plain": ""}, raw=True)
-
-
 def report(result: LaunchResult) -> None:
-    """Print rank-ordered output: stdout blocks, then stderr blocks (failing rank first)."""
-    order = sorted(result.stdout)
-    if result.root_cause is not None:
-        order = [result.root_cause] + [r for r in order if r != result.root_cause]
-    out = "".join(rank_block(r, result.stdout[r]) for r in sorted(result.stdout))
-    err = "".join(rank_block(r, result.stderr[r]) for r in order)
-    if out:
-        sys.stdout.write(out)
-        sys.stdout.flush()
-    if err:
-        sys.stderr.write(err)
-        sys.stderr.flush()
+    """Print rank-ordered output (the failing rank's stderr first) and, on failure, every rank's exit."""
+    print_rank_blocks(result.stdout, result.stderr, first=result.root_cause)
     if not result.ok:
         print(exit_summary(result.exit_codes, result.not_started))
 
@@ -182,7 +133,7 @@ class TorchrunMagics(Magics):
             raise UsageError(f"%%torchrun: {exc}") from None
 
         print(choice.header(args.nproc), flush=True)
-        live = _LiveView()
+        live = LiveView()
         try:
             result = run_torchrun(
                 cell,

@@ -26,7 +26,7 @@ from .backend_choice import BackendChoice, choose_backend
 from .output import clean_paths, clean_rank_text, parse_torchrun_failures
 from .procs import ENV_LAUNCH_MARK, ProcessTree, new_mark
 
-__all__ = ["LaunchResult", "run_torchrun", "torchrun_command"]
+__all__ = ["LaunchResult", "TorchrunProcess", "run_torchrun", "torchrun_command"]
 
 POLL_S = 0.05  # how often we look at the log files and the deadline
 TREE_REFRESH_S = 0.25  # how often we record new descendant processes
@@ -65,12 +65,15 @@ class LaunchResult:
         return sorted(r for r, code in self.exit_codes.items() if code not in (0, None))
 
 
-def torchrun_command(script: str, nproc: int, log_dir: str | None = None) -> list[str]:
-    """The command line: `python -m torch.distributed.run` is the `torchrun` entry point."""
+def torchrun_command(target: list[str], nproc: int, log_dir: str | None = None) -> list[str]:
+    """The command line: `python -m torch.distributed.run` is the `torchrun` entry point.
+
+    `target` is `[script.py, args...]` or `["-m", "module", args...]`, as for torchrun.
+    """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     if log_dir is not None:
         cmd += [f"--log-dir={log_dir}", "--redirects=3"]
-    return cmd + [script]
+    return cmd + list(target)
 
 
 def _child_env(choice: BackendChoice, results_dir: pathlib.Path, mark: str) -> dict[str, str]:
@@ -180,33 +183,62 @@ def run_torchrun(
     try:
         script_path = run_dir / "cell.py"
         script_path.write_text(f"# {first_line}\n{script}" if first_line else script)
-        results_dir = run_dir / "results"
-        results_dir.mkdir()
-        log_dir = run_dir / "logs"
-        return _launch_and_follow(script_path, log_dir, results_dir, nproc, choice, timeout_s, on_output, on_poll, cwd)
+        return _launch_and_follow(script_path, nproc, choice, timeout_s, on_output, on_poll, cwd)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _launch_and_follow(script_path, log_dir, results_dir, nproc, choice, timeout_s, on_output, on_poll, cwd):
+class TorchrunProcess:
+    """One torchrun agent we started: its own output, its process tree, and its watchdog.
+
+    `target` is what torchrun runs: `[script.py]` or `["-m", "module"]`.
+    Every process below it carries a fresh launch mark (see procs.py), and a
+    watchdog kills them all if this (kernel) process dies first.
+    """
+
+    def __init__(self, target: list[str], nproc: int, choice: BackendChoice, run_dir: pathlib.Path,
+                 *, cwd: str | None = None, extra_env: dict[str, str] | None = None):
+        self.mark = new_mark()
+        self.log_dir = run_dir / "logs"
+        self.results_dir = run_dir / "results"
+        self.results_dir.mkdir(exist_ok=True)
+        env = _child_env(choice, self.results_dir, self.mark) | (extra_env or {})
+        self.watchdog = _start_watchdog(self.mark, run_dir, {k: v for k, v in env.items() if k != ENV_LAUNCH_MARK})
+        self.proc = subprocess.Popen(
+            torchrun_command(target, nproc, str(self.log_dir)),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,  # Ctrl-C in the kernel must not reach torchrun: we end it ourselves
+        )
+        self.tree = ProcessTree(self.proc.pid, self.mark)
+        self._agent_chunks: list[bytes] = []
+        self._reader = threading.Thread(target=self._read_agent, daemon=True)
+        self._reader.start()
+
+    def _read_agent(self) -> None:
+        for chunk in iter(lambda: self.proc.stdout.read1(65536), b""):
+            self._agent_chunks.append(chunk)
+
+    def kill(self) -> None:
+        """Kill every process of this launch (after a normal exit: whatever the ranks left behind)."""
+        self.tree.kill_all()
+        self.proc.wait()
+        self.watchdog.kill()
+        self.watchdog.wait()
+        self._reader.join(timeout=5)
+
+    def agent_output(self) -> str:
+        return b"".join(self._agent_chunks).decode("utf-8", errors="replace")
+
+
+def _launch_and_follow(script_path, nproc, choice, timeout_s, on_output, on_poll, cwd):
     started = time.monotonic()
-    mark = new_mark()
-    env = _child_env(choice, results_dir, mark)
-    watchdog = _start_watchdog(mark, script_path.parent, {k: v for k, v in env.items() if k != ENV_LAUNCH_MARK})
-    proc = subprocess.Popen(
-        torchrun_command(str(script_path), nproc, str(log_dir)),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=env,
-        cwd=cwd,
-        start_new_session=True,  # Ctrl-C in the kernel must not reach torchrun: we end it ourselves
-    )
-    tree = ProcessTree(proc.pid, mark)
-    agent_chunks: list[bytes] = []
-    reader = threading.Thread(target=lambda: agent_chunks.extend(iter(lambda: proc.stdout.read1(65536), b"")), daemon=True)
-    reader.start()
-    follower = _LogFollower(log_dir, nproc)
+    launch = TorchrunProcess([str(script_path)], nproc, choice, script_path.parent, cwd=cwd)
+    proc, tree = launch.proc, launch.tree
+    follower = _LogFollower(launch.log_dir, nproc)
     timed_out = interrupted = False
     unfinished: list[int] = []
     last_refresh = 0.0
@@ -234,16 +266,12 @@ def _launch_and_follow(script_path, log_dir, results_dir, nproc, choice, timeout
     if timed_out or interrupted:
         tree.refresh()
         unfinished = sorted(tree.ranks())
-    tree.kill_all()  # after a normal exit this only ends what the ranks left behind
-    proc.wait()
-    watchdog.kill()
-    watchdog.wait()
-    reader.join(timeout=5)
+    launch.kill()
     forward(follower.poll())
     follower.close()
     not_started = sorted(set(range(nproc)) - follower.started()) if (timed_out or interrupted) else []
 
-    agent_output = b"".join(agent_chunks).decode("utf-8", errors="replace")
+    agent_output = launch.agent_output()
     failures, root = parse_torchrun_failures(agent_output)
     exit_codes: dict[int, int | None] = {}
     for r in range(nproc):
@@ -265,6 +293,6 @@ def _launch_and_follow(script_path, log_dir, results_dir, nproc, choice, timeout
         interrupted=interrupted,
         agent_output=clean_paths(agent_output, str(script_path)),
         agent_exit_code=None if (timed_out or interrupted) else proc.returncode,
-        results=_read_results(results_dir),
+        results=_read_results(launch.results_dir),
         elapsed_s=time.monotonic() - started,
     )
