@@ -1,6 +1,7 @@
 """course_lib: the package behind the PyTorch distributed training course.
 
-In a notebook: `%load_ext course_lib`, then `%%torchrun -n 2` cells.
+In a notebook: `%load_ext course_lib`, then `%%torchrun -n 2` cells (one-shot
+scripts), or `%dist start -n 2` and `%%dist` cells (persistent ranks).
 On a rank: `import course_lib as cl; cl.init(); cl.print0(...); cl.publish(...)`.
 Importing this package on a rank is cheap: IPython parts load only in a kernel.
 """
@@ -8,7 +9,7 @@ Importing this package on a rank is cheap: IPython parts load only in a kernel.
 from .backend_choice import BackendChoice, BackendError, choose_backend
 from .machine import describe_machine
 from .rank import DistInfo, backend, device, init, print0, publish
-from .results import results
+from .results import ledgers, results
 from .torchrun import LaunchResult, run_torchrun
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "describe_machine",
     "device",
     "init",
+    "ledgers",
     "load_ipython_extension",
     "print0",
     "publish",
@@ -32,8 +34,10 @@ __version__ = "0.1.0"
 
 
 def load_ipython_extension(ipython) -> None:
-    """`%load_ext course_lib`: registers `%%torchrun`."""
+    """`%load_ext course_lib`: registers `%%torchrun`, `%dist` and `%%dist`."""
+    from .dist_magics import DistMagics
     from .magics import TorchrunMagics
 
     ipython.register_magics(TorchrunMagics)
+    ipython.register_magics(DistMagics)
 

@@ -24,10 +24,10 @@ class BackendChoice:
     device_type: str  # "cpu" or "cuda"
     reason: str  # why, in plain words, for the first output line
 
-    def header(self, nproc: int) -> str:
+    def header(self, nproc: int, tag: str = "torchrun") -> str:
         """The first line a multi-rank cell prints: world size, backend, device, why."""
         ranks = "1 rank" if nproc == 1 else f"{nproc} ranks"
-        return f"[torchrun] {ranks}, backend {self.backend} on {self.device_type} ({self.reason})"
+        return f"[{tag}] {ranks}, backend {self.backend} on {self.device_type} ({self.reason})"
 
 
 def gpu_count() -> int:

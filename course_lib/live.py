@@ -12,7 +12,7 @@ from IPython.display import display
 
 from .output import rank_block
 
-__all__ = ["LiveView", "print_rank_blocks"]
+__all__ = ["LiveView", "print_diagnosis", "print_rank_blocks"]
 
 LIVE_LINES = 30  # lines kept in the live view while a cell runs
 LIVE_REFRESH_S = 0.2
@@ -66,3 +66,13 @@ def print_rank_blocks(stdout: dict[int, str], stderr: dict[int, str], first: int
     if err:
         sys.stderr.write(err)
         sys.stderr.flush()
+
+
+def print_diagnosis(lines: list[str], stacks: dict[int, str]) -> None:
+    """Where stuck ranks were (stdout), then their Python stacks (stderr, innermost call first)."""
+    if lines:
+        print("stuck: " + "; ".join(lines))
+    for rank in sorted(stacks):
+        if stacks[rank].strip():
+            sys.stderr.write(rank_block(rank, "Python stack (most recent call first):\n" + stacks[rank]))
+    sys.stderr.flush()

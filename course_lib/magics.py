@@ -13,54 +13,27 @@ interrupted run says which ranks did what.
 from __future__ import annotations
 
 import argparse
-import math
-import shlex
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from .backend_choice import BACKEND_CHOICES, BackendError, choose_backend
-from .live import LiveView, print_rank_blocks
+from .magic_args import MagicParser, RankFailure, parse_line, positive_seconds, rank_count
+from .live import LiveView, print_diagnosis, print_rank_blocks
 from .output import describe_exit, exit_summary
-from .results import results
+from .results import ledgers, results
 from .torchrun import LaunchResult, run_torchrun
 
 __all__ = ["RankFailure", "TorchrunMagics", "last_result", "parse_torchrun_args", "report"]
 
-MAX_NPROC = 64
 DEFAULT_TIMEOUT_S = 120.0
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse would print usage and sys.exit
-        raise UsageError(f"%%torchrun: {message}")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of ranks, got {text!r}") from None
-    if not 1 <= value <= MAX_NPROC:
-        raise argparse.ArgumentTypeError(f"number of ranks must be between 1 and {MAX_NPROC}, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):  # "nan" would mean no deadline at all
-        raise argparse.ArgumentTypeError(f"timeout must be a positive number of seconds, got {text}")
-    return value
-
-
-def _make_parser() -> _Parser:
-    parser = _Parser(prog="%%torchrun", add_help=False)
-    parser.add_argument("-n", "--nproc", "--nproc-per-node", type=_positive_int, default=2)
+def _make_parser() -> MagicParser:
+    parser = MagicParser(prog="%%torchrun", add_help=False)
+    parser.add_argument("-n", "--nproc", "--nproc-per-node", type=rank_count, default=2)
     parser.add_argument("--backend", choices=BACKEND_CHOICES, default="auto")
-    parser.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT_S)
+    parser.add_argument("--timeout", type=positive_seconds, default=DEFAULT_TIMEOUT_S)
     # For lessons that demonstrate a failure: report it without raising, so
     # "Run All" goes on; a run that unexpectedly succeeds raises instead.
     parser.add_argument("--expect-failure", action="store_true")
@@ -69,22 +42,7 @@ def _make_parser() -> _Parser:
 
 def parse_torchrun_args(line: str) -> argparse.Namespace:
     """Parse the magic's line; raise a one-line UsageError on bad input."""
-    try:
-        words = shlex.split(line)
-    except ValueError as exc:
-        raise UsageError(f"%%torchrun: {exc}") from None
-    return _make_parser().parse_args(words)
-
-
-class RankFailure(Exception):
-    """A %%torchrun cell whose ranks failed or ran past the deadline.
-
-    IPython shows `_render_traceback_()` instead of a traceback through this
-    library: the rank's own traceback is already printed above.
-    """
-
-    def _render_traceback_(self) -> list[str]:
-        return [f"RankFailure: {self}"]
+    return parse_line(_make_parser(), line)
 
 
 def _failure_message(result: LaunchResult, timeout_s: float) -> str:
@@ -106,10 +64,12 @@ def _failure_message(result: LaunchResult, timeout_s: float) -> str:
 
 
 def report(result: LaunchResult) -> None:
-    """Print rank-ordered output (the failing rank's stderr first) and, on failure, every rank's exit."""
+    """Print rank-ordered output (the failing rank's stderr first) and, on failure, every rank's exit
+    and, for ranks stuck at a deadline or interrupt, where they were."""
     print_rank_blocks(result.stdout, result.stderr, first=result.root_cause)
     if not result.ok:
         print(exit_summary(result.exit_codes, result.not_started))
+    print_diagnosis(result.diagnosis, result.stacks)
 
 
 @magics_class
@@ -147,6 +107,8 @@ class TorchrunMagics(Magics):
         finally:
             live.close()
         results.update(result.results)
+        ledgers.clear()
+        ledgers.update(result.ledgers)
         global _last_result
         _last_result = result
         report(result)

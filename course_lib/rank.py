@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import faulthandler
 import os
 import pathlib
+import signal
 from typing import Any
 
 from .backend_choice import BackendChoice, choose_backend
 
-__all__ = ["DistInfo", "backend", "device", "init", "print0", "publish"]
+__all__ = ["DistInfo", "backend", "device", "init", "instrument", "print0", "publish"]
 
 # Environment variables set by the launcher (course_lib.torchrun).
 ENV_BACKEND = "COURSE_BACKEND"
@@ -65,6 +67,28 @@ def device() -> Any:
     return torch.device("cpu")
 
 
+_stack_file: Any = None  # kept open: faulthandler writes to its descriptor from a signal handler
+
+
+def instrument() -> None:
+    """Under a notebook launcher: record collectives (ledger.py) and dump stacks on SIGUSR1.
+
+    Both go to files in the launch's folder, which the kernel reads after the
+    cell, or at a deadline to say which rank is stuck where.
+    """
+    global _stack_file
+    results_dir = os.environ.get(ENV_RESULTS_DIR)
+    if not results_dir or _stack_file is not None:
+        return
+    from . import ledger
+
+    rank = os.environ.get("RANK", "0")
+    ledger.install(os.path.join(results_dir, f"ledger.rank{rank}.jsonl"))
+    if hasattr(signal, "SIGUSR1"):
+        _stack_file = open(os.path.join(results_dir, f"stacks.rank{rank}.txt"), "w")
+        faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
+
+
 def init(*, timeout_s: float = 60.0) -> DistInfo:
     """Start the default process group with the course's backend and device.
 
@@ -76,6 +100,7 @@ def init(*, timeout_s: float = 60.0) -> DistInfo:
     import torch.distributed as dist
 
     _require_torchrun()
+    instrument()
     choice = _choice()
     dev = device()
     if dev.type == "cuda":
@@ -101,6 +126,15 @@ def print0(*args: Any, **kwargs: Any) -> None:
         print(*args, **kwargs)
 
 
+_publish_hook: Any = None  # set by a persistent worker (course_lib.worker): values go over its connection
+
+
+def set_publish_hook(hook: Any) -> None:
+    """Make `publish(name, value)` call `hook(name, value)` instead of writing a file."""
+    global _publish_hook
+    _publish_hook = hook
+
+
 def publish(name: str, value: Any) -> None:
     """Send `value` back to the notebook: after the cell, `cl.results[name][rank] == value`.
 
@@ -108,11 +142,16 @@ def publish(name: str, value: Any) -> None:
     so this does nothing. Values are saved with `torch.save`, so tensors,
     numbers, strings, lists and dicts of them all work.
     """
+    if not name.isidentifier():
+        raise ValueError(f"publish name must be an identifier, got {name!r}")
+    if _publish_hook is not None:
+        import torch
+
+        _publish_hook(name, value.detach().cpu() if isinstance(value, torch.Tensor) else value)
+        return
     results_dir = os.environ.get(ENV_RESULTS_DIR)
     if not results_dir:
         return
-    if not name.isidentifier():
-        raise ValueError(f"publish name must be an identifier, got {name!r}")
     import torch
 
     rank = int(os.environ.get("RANK", "0"))

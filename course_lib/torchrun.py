@@ -23,6 +23,8 @@ from typing import Any, Callable
 
 from . import rank as rank_env
 from .backend_choice import BackendChoice, choose_backend
+from .diagnosis import collect, describe_stuck
+from .ledger import read_ledger
 from .output import clean_paths, clean_rank_text, parse_torchrun_failures
 from .procs import ENV_LAUNCH_MARK, ProcessTree, new_mark
 
@@ -50,6 +52,9 @@ class LaunchResult:
     agent_exit_code: int | None
     results: dict[str, dict[int, Any]]
     elapsed_s: float
+    ledgers: dict[int, list[dict]] = dataclasses.field(default_factory=dict)  # collectives per rank (ledger.py)
+    stacks: dict[int, str] = dataclasses.field(default_factory=dict)  # Python stacks of ranks stuck at the deadline
+    diagnosis: list[str] = dataclasses.field(default_factory=list)  # who is stuck where, one line per state
 
     @property
     def ok(self) -> bool:
@@ -263,10 +268,15 @@ def _launch_and_follow(script_path, nproc, choice, timeout_s, on_output, on_poll
             time.sleep(POLL_S)
     except KeyboardInterrupt:
         interrupted = True
+    stacks: dict[int, str] = {}
     if timed_out or interrupted:
         tree.refresh()
-        unfinished = sorted(tree.ranks())
+        stuck = tree.ranks()
+        unfinished = sorted(stuck)
+        _, stacks = collect(launch.results_dir, nproc, {r: p.pid for r, p in stuck.items()})
     launch.kill()
+    ledgers = {r: read_ledger(str(launch.results_dir / f"ledger.rank{r}.jsonl")) for r in range(nproc)}
+    stacks = {r: clean_paths(text, str(script_path)) for r, text in stacks.items()}
     forward(follower.poll())
     follower.close()
     not_started = sorted(set(range(nproc)) - follower.started()) if (timed_out or interrupted) else []
@@ -295,4 +305,7 @@ def _launch_and_follow(script_path, nproc, choice, timeout_s, on_output, on_poll
         agent_exit_code=None if (timed_out or interrupted) else proc.returncode,
         results=_read_results(launch.results_dir),
         elapsed_s=time.monotonic() - started,
+        ledgers=ledgers,
+        stacks=stacks,
+        diagnosis=describe_stuck(ledgers, stacks),
     )

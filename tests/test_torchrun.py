@@ -303,6 +303,13 @@ def test_stuck_collective_ends_by_the_deadline():
     assert not result.ok
     if result.timed_out:
         assert result.unfinished == [0, 1]
+        # The ledgers and stacks say who is stuck where (script line 13 is the sleep).
+        assert result.diagnosis == [
+            "rank 0 is waiting in all_reduce #1 (4 B, world group)",
+            "rank 1 is running Python at cell line 13, before any collective",
+        ]
+        assert 'File "<cell>", line 13' in result.stacks[1]
+        assert [(e["op"], e["end"]) for e in result.ledgers[0]] == [("all_reduce", None)]
     _assert_nothing_left(run)
 
 

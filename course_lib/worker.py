@@ -1,0 +1,127 @@
+"""A persistent rank: runs notebook cells sent by the kernel, keeping its state between them.
+
+Started by `%dist start` through torchrun (`torchrun ... -m course_lib.worker`).
+It connects to the kernel over loopback, authenticates with the session's
+secret (multiprocessing.connection's HMAC challenge, in both directions,
+before any pickled message is read), starts the process group, then loops:
+
+    kernel -> worker: ("run", cell_id, source)   run a cell in this rank's namespace
+                      ("stop",)                  leave the loop and exit
+    worker -> kernel: ("hello", rank, pid)       once, after connecting
+                      ("ready", error)           once, after starting the process group
+                      ("out", cell_id, stream, text)   what the cell prints, as it prints it
+                      ("done", cell_id, error, published)   error: None or (kind, traceback text)
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+import threading
+import traceback
+from multiprocessing.connection import Client
+from typing import Any
+
+from . import rank as rank_env
+from .wire import receive, send
+
+__all__ = ["ENV_POOL_ADDRESS", "ENV_POOL_KEYFILE", "ENV_POOL_INIT", "main"]
+
+ENV_POOL_ADDRESS = "COURSE_POOL_ADDRESS"  # "127.0.0.1:PORT"
+ENV_POOL_KEYFILE = "COURSE_POOL_KEYFILE"  # file with the session's secret, readable by this user only
+ENV_POOL_INIT = "COURSE_POOL_INIT"  # "1": start the default process group before the first cell
+
+
+class _ConnectionWriter:
+    """A text stream that forwards each write to the kernel as ("out", cell_id, stream, text)."""
+
+    def __init__(self, conn, lock: threading.Lock, stream: str):
+        self.conn, self.lock, self.stream = conn, lock, stream
+        self.cell_id = 0
+
+    def write(self, text: str) -> int:
+        if text:
+            with self.lock:  # cells may print from several threads
+                send(self.conn, ("out", self.cell_id, self.stream, text))
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+
+def _format_error(exc: BaseException) -> tuple[str, str]:
+    """(exception name, traceback text without this module's frames)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next  # start at the cell's own frames
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    return type(exc).__name__, text
+
+
+def _connect():
+    host, port = os.environ[ENV_POOL_ADDRESS].rsplit(":", 1)
+    with open(os.environ[ENV_POOL_KEYFILE], "rb") as handle:
+        key = handle.read()
+    return Client((host, int(port)), authkey=key)
+
+
+def main() -> None:
+    conn = _connect()
+    lock = threading.Lock()
+    rank = int(os.environ["RANK"])
+    send(conn, ("hello", rank, os.getpid()))
+
+    published: dict[str, Any] = {}
+    rank_env.set_publish_hook(published.__setitem__)
+    rank_env.instrument()  # the ledger records every collective of every cell
+    ready_error = None
+    if os.environ.get(ENV_POOL_INIT) == "1":
+        try:
+            rank_env.init()
+        except Exception as exc:  # noqa: BLE001 - reported to the kernel, which stops the pool
+            ready_error = _format_error(exc)
+    send(conn, ("ready", ready_error))
+    if ready_error is not None:
+        return
+
+    out = _ConnectionWriter(conn, lock, "stdout")
+    err = _ConnectionWriter(conn, lock, "stderr")
+    sys.stdout, sys.stderr = out, err
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+
+    while True:
+        try:
+            message = receive(conn)
+        except KeyboardInterrupt:  # an interrupt that arrived between cells
+            continue
+        except EOFError:  # the kernel is gone
+            break
+        if message[0] == "stop":
+            break
+        _, cell_id, source = message
+        out.cell_id = err.cell_id = cell_id
+        published.clear()
+        error = None
+        # One blank line first: the cell's line 1 is the %%dist line. linecache lets
+        # tracebacks show the cell's source lines.
+        text = "\n" + source
+        linecache.cache["<cell>"] = (len(text), None, text.splitlines(keepends=True), "<cell>")
+        try:
+            exec(compile(text, "<cell>", "exec"), namespace)
+        except BaseException as exc:  # noqa: BLE001 - report everything, including KeyboardInterrupt
+            error = _format_error(exc)
+        with lock:
+            send(conn, ("done", cell_id, error, dict(published)))
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
