@@ -24,6 +24,7 @@ __all__ = ["DistInfo", "backend", "device", "init", "instrument", "print0", "pub
 ENV_BACKEND = "COURSE_BACKEND"
 ENV_DEVICE = "COURSE_DEVICE"
 ENV_RESULTS_DIR = "COURSE_RESULTS_DIR"
+ENV_LEDGER = "COURSE_LEDGER"  # "0": do not record collectives
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +84,8 @@ def instrument() -> None:
     from . import ledger
 
     rank = os.environ.get("RANK", "0")
-    ledger.install(os.path.join(results_dir, f"ledger.rank{rank}.jsonl"))
+    if os.environ.get(ENV_LEDGER, "1") != "0":  # COURSE_LEDGER=0 turns it off (bench/ measures its cost)
+        ledger.install(os.path.join(results_dir, f"ledger.rank{rank}.jsonl"))
     if hasattr(signal, "SIGUSR1"):
         _stack_file = open(os.path.join(results_dir, f"stacks.rank{rank}.txt"), "w")
         faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
