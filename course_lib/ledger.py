@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["RECORDED_OPS", "install", "read_ledger"]
+__all__ = ["RECORDED_OPS", "LedgerReader", "install", "read_ledger"]
 
 RECORDED_OPS = (
     "send", "recv", "isend", "irecv", "batch_isend_irecv",
@@ -60,43 +60,55 @@ def _group_name(group: Any) -> str:
         return "other"
 
 
+# The argument that holds this rank's input, by name, in order of preference.
+_INPUT_PARAMS = ("tensor", "input_tensor", "input_tensor_list", "input_list", "input", "tensor_list", "p2p_op_list")
+
+
+def _arg(args: tuple, kwargs: dict, index: int | None, name: str) -> Any:
+    if index is not None and index < len(args):
+        return args[index]
+    return kwargs.get(name)
+
+
 class _Recorder:
+    """Writes two lines per call. Kept lean: it runs around every collective (bench/ measures it)."""
+
     def __init__(self, path: str):
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         self.seq: dict[str, int] = {}
         self.lock = threading.Lock()
 
-    def write(self, record: dict) -> None:
-        os.write(self.fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
-
     def wrap(self, name: str, fn):
-        signature = inspect.signature(fn)
+        params = list(inspect.signature(fn).parameters)
+        input_name = next((p for p in _INPUT_PARAMS if p in params), None)
+        input_index = params.index(input_name) if input_name else None
+        group_index = params.index("group") if "group" in params else None
+        async_index = params.index("async_op") if "async_op" in params else None
+        always_async = name in ("isend", "irecv", "batch_isend_irecv")
+        fd, seqs, lock = self.fd, self.seq, self.lock
 
         @functools.wraps(fn)
         def recorded(*args, **kwargs):
             if getattr(_state, "depth", 0):
                 return fn(*args, **kwargs)
-            bound = signature.bind_partial(*args, **kwargs).arguments
-            tensors = _tensors(bound.get("tensor", bound.get("input_tensor", bound.get("tensor_list",
-                               bound.get("input_tensor_list", bound.get("p2p_op_list"))))))
-            if not tensors:
-                tensors = _tensors(list(bound.values()))
-            group = _group_name(bound.get("group"))
-            with self.lock:
-                seq = self.seq[group] = self.seq.get(group, 0) + 1
-            self.write({
-                "seq": seq, "op": name, "group": group,
-                "shapes": [list(t.shape) for t in tensors],
-                "dtype": str(tensors[0].dtype).removeprefix("torch.") if tensors else None,
-                "bytes": sum(t.numel() * t.element_size() for t in tensors),
-                "start": time.monotonic(), "async": bool(bound.get("async_op", False)) or name.startswith("i"),
-            })
+            tensors = _tensors(_arg(args, kwargs, input_index, input_name)) if input_name else []
+            group = _group_name(_arg(args, kwargs, group_index, "group"))
+            is_async = always_async or bool(_arg(args, kwargs, async_index, "async_op"))
+            with lock:
+                seq = seqs[group] = seqs.get(group, 0) + 1
+            dtype = f'"{str(tensors[0].dtype)[6:]}"' if tensors else "null"  # "torch.float32" -> "float32"
+            shapes = [list(t.shape) for t in tensors]
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            os.write(fd, (
+                f'{{"seq":{seq},"op":"{name}","group":"{group}","shapes":{shapes},"dtype":{dtype},'
+                f'"bytes":{nbytes},"start":{time.monotonic()!r},"async":{"true" if is_async else "false"}}}\n'
+            ).encode())
             _state.depth = 1
             try:
                 return fn(*args, **kwargs)
             finally:
                 _state.depth = 0
-                self.write({"seq": seq, "group": group, "end": time.monotonic()})
+                os.write(fd, f'{{"seq":{seq},"group":"{group}","end":{time.monotonic()!r}}}\n'.encode())
 
         recorded.__course_lib_ledger__ = True
         return recorded
@@ -119,24 +131,41 @@ def install(path: str) -> None:
             setattr(dist, name, wrapped)
 
 
+class LedgerReader:
+    """Reads one rank's ledger file incrementally: each call parses only the lines added since."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.offset = 0
+        self.partial = b""
+        self.entries: list[dict] = []
+        self.open: dict[tuple[str, int], dict] = {}  # entered, not yet returned
+
+    def read(self) -> list[dict]:
+        """All entries so far, each with `end` (None while still inside the call)."""
+        try:
+            with open(self.path, "rb") as handle:
+                handle.seek(self.offset)
+                data = handle.read()
+        except FileNotFoundError:
+            return self.entries
+        self.offset += len(data)
+        *lines, self.partial = (self.partial + data).split(b"\n")
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a kill
+                continue
+            key = (record["group"], record["seq"])
+            if "op" in record:
+                entry = {**record, "end": None}
+                self.entries.append(entry)
+                self.open[key] = entry
+            elif key in self.open:
+                self.open.pop(key)["end"] = record["end"]
+        return self.entries
+
+
 def read_ledger(path: str) -> list[dict]:
     """The entries of one rank's ledger file, each with `end` (None while still inside the call)."""
-    entries: dict[tuple[str, int], dict] = {}
-    order: list[tuple[str, int]] = []
-    try:
-        with open(path) as handle:
-            lines = handle.read().splitlines()
-    except FileNotFoundError:
-        return []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short by a kill
-            continue
-        key = (record["group"], record["seq"])
-        if "op" in record:
-            entries[key] = {**record, "end": None}
-            order.append(key)
-        elif key in entries:
-            entries[key]["end"] = record["end"]
-    return [entries[key] for key in order]
+    return LedgerReader(path).read()

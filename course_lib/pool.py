@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from .backend_choice import BackendChoice, choose_backend
 from .diagnosis import collect, describe_stuck
-from .ledger import read_ledger
+from .ledger import LedgerReader
 from .torchrun import TorchrunProcess
 from .wire import receive, send
 from .worker import ENV_POOL_ADDRESS, ENV_POOL_INIT, ENV_POOL_KEYFILE
@@ -79,6 +79,7 @@ class Pool:
         self.launch: TorchrunProcess | None = None
         self.run_dir: pathlib.Path | None = None
         self.broken: str | None = None  # why the pool can no longer run cells
+        self.ledger_readers: dict[int, LedgerReader] = {}
         self.cell_id = 0
 
     # ------------------------------------------------------------------ start / stop
@@ -100,6 +101,8 @@ class Pool:
             }
             self.launch = TorchrunProcess(["-m", "course_lib.worker"], self.nproc, self.choice, self.run_dir,
                                           cwd=self.cwd, extra_env=extra_env)
+            self.ledger_readers = {r: LedgerReader(str(self.launch.results_dir / f"ledger.rank{r}.jsonl"))
+                                   for r in range(self.nproc)}
             self._accept_workers(server, key, time.monotonic() + timeout_s)
             self._wait_ready(time.monotonic() + timeout_s)
         except BaseException:
@@ -235,8 +238,8 @@ class Pool:
             result.ledgers, result.stacks = collect(self.launch.results_dir, self.nproc, stuck)
             result.diagnosis = describe_stuck(result.ledgers, result.stacks)
         else:
-            result.ledgers = {r: read_ledger(str(self.launch.results_dir / f"ledger.rank{r}.jsonl"))
-                              for r in range(self.nproc)}
+            # Incremental: a cell parses only the entries added since the previous one.
+            result.ledgers = {r: list(reader.read()) for r, reader in self.ledger_readers.items()}
         if result.timed_out or result.unfinished or result.dead:
             if result.dead:
                 # Give torchrun a moment to notice and report how the rank ended.

@@ -36,19 +36,16 @@ class ProcessTree:
         self.seen: dict[int, psutil.Process] = {root_pid: self.root}
 
     def refresh(self) -> None:
-        """Record the root's current descendants (cheap: reads /proc once per process)."""
+        """Record the root's current descendants (one scan of the process table).
+
+        Processes re-parented away from the tree (a rank's helper whose rank
+        died) are not found here but by `find_marked` when we kill.
+        """
         try:
             for child in self.root.children(recursive=True):
                 self.seen.setdefault(child.pid, child)
         except psutil.NoSuchProcess:
             pass
-        # Children of ranks we already know survive their parent's death as orphans.
-        for proc in list(self.seen.values()):
-            try:
-                for child in proc.children(recursive=True):
-                    self.seen.setdefault(child.pid, child)
-            except psutil.NoSuchProcess:
-                pass
 
     def find_marked(self) -> None:
         """Record every living process whose environment carries this launch's mark."""

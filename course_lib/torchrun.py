@@ -31,7 +31,7 @@ from .procs import ENV_LAUNCH_MARK, ProcessTree, new_mark
 __all__ = ["LaunchResult", "TorchrunProcess", "run_torchrun", "torchrun_command"]
 
 POLL_S = 0.05  # how often we look at the log files and the deadline
-TREE_REFRESH_S = 0.25  # how often we record new descendant processes
+TREE_REFRESH_S = 1.0  # how often we record new descendant processes (each refresh scans the process table)
 
 OutputCallback = Callable[[int, str, str], None]  # (rank, "stdout"|"stderr", text)
 PollCallback = Callable[[], None]  # called every poll, e.g. to refresh a live view
@@ -143,8 +143,9 @@ class _LogFollower:
 
 def _start_watchdog(mark: str, run_dir: pathlib.Path, env: dict[str, str]) -> subprocess.Popen:
     """Kills this launch's processes if this (kernel) process dies first: see watchdog.py."""
+    # Run as a file, not `-m course_lib.watchdog`: importing the package would cost it ~50 ms of CPU.
     return subprocess.Popen(
-        [sys.executable, "-m", "course_lib.watchdog", str(os.getpid()), mark, str(run_dir)],
+        [sys.executable, str(pathlib.Path(__file__).with_name("watchdog.py")), str(os.getpid()), mark, str(run_dir)],
         env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
@@ -265,7 +266,10 @@ def _launch_and_follow(script_path, nproc, choice, timeout_s, on_output, on_poll
             if now - started >= timeout_s:
                 timed_out = True
                 break
-            time.sleep(POLL_S)
+            try:
+                proc.wait(timeout=POLL_S)  # returns as soon as torchrun exits, unlike a sleep
+            except subprocess.TimeoutExpired:
+                pass
     except KeyboardInterrupt:
         interrupted = True
     stacks: dict[int, str] = {}

@@ -5,7 +5,9 @@ itself, and torchrun's ranks live in sessions of their own, so nothing else
 would end them. `run_torchrun` therefore starts this small process next to
 torchrun:
 
-    python -m course_lib.watchdog KERNEL_PID LAUNCH_MARK RUN_DIR
+    python course_lib/watchdog.py KERNEL_PID LAUNCH_MARK RUN_DIR
+
+(run as a file: it imports nothing from course_lib, so it starts fast)
 
 It waits for the kernel to die, then kills every process that carries the
 launch's mark (see procs.py) and removes the launch's temporary folder. When
@@ -20,9 +22,9 @@ import time
 
 import psutil
 
-from .procs import ENV_LAUNCH_MARK
-
 __all__ = ["watch"]
+
+ENV_LAUNCH_MARK = "COURSE_LAUNCH_MARK"  # the same name as procs.ENV_LAUNCH_MARK (a test checks)
 
 CHECK_S = 0.5
 

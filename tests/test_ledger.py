@@ -1,0 +1,97 @@
+"""The collective ledger: what a rank records, and how the kernel reads it back.
+
+Recording runs in a fresh interpreter with a real one-rank gloo group, so the
+patched torch.distributed never leaks into the test process.
+"""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+from course_lib import procs, watchdog
+from course_lib.diagnosis import cell_line, describe_stuck, format_bytes
+from course_lib.ledger import LedgerReader, read_ledger
+
+RECORD_SCRIPT = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist
+    from course_lib import ledger
+    ledger.install(sys.argv[1])
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    x = torch.ones(1024)
+    dist.all_reduce(x)
+    dist.broadcast(x, 0)
+    out = [torch.zeros(1024, dtype=torch.float64)]
+    dist.all_gather(out, torch.ones(1024, dtype=torch.float64))
+    dist.all_gather_object([None], {"a": 1})   # calls all_gather inside: recorded once
+    work = dist.all_reduce(x, async_op=True)
+    work.wait()
+    dist.barrier()
+    pair = dist.new_group([0])
+    dist.all_reduce(x, group=pair)
+    dist.destroy_process_group()
+""")
+
+
+def test_ledger_records_each_call_once_with_op_shape_dtype_bytes(tmp_path):
+    path = tmp_path / "ledger.jsonl"
+    subprocess.run([sys.executable, "-c", RECORD_SCRIPT, str(path)], check=True, timeout=120)
+    entries = read_ledger(str(path))
+    summary = [(e["op"], e["seq"], e["group"], e["shapes"], e["dtype"], e["bytes"], e["async"]) for e in entries]
+    assert summary == [
+        ("all_reduce", 1, "world", [[1024]], "float32", 4096, False),
+        ("broadcast", 2, "world", [[1024]], "float32", 4096, False),
+        ("all_gather", 3, "world", [[1024]], "float64", 8192, False),
+        ("all_gather_object", 4, "world", [], None, 0, False),
+        ("all_reduce", 5, "world", [[1024]], "float32", 4096, True),
+        ("barrier", 6, "world", [], None, 0, False),
+        ("all_reduce", 1, "ranks 0", [[1024]], "float32", 4096, False),
+    ]
+    assert all(e["end"] is not None and e["end"] >= e["start"] for e in entries)
+    for line in path.read_text().splitlines():
+        json.loads(line)  # every line is valid JSON
+
+
+def test_reader_parses_only_new_lines_and_waits_for_a_cut_line(tmp_path):
+    path = tmp_path / "ledger.jsonl"
+    reader = LedgerReader(str(path))
+    assert reader.read() == []  # no file yet
+    start = '{"seq":1,"op":"all_reduce","group":"world","shapes":[[2]],"dtype":"float32","bytes":8,"start":1.0,"async":false}\n'
+    path.write_text(start + '{"seq":1,"group":"world","end":2.')  # the end line is cut mid-write
+    assert [(e["op"], e["end"]) for e in reader.read()] == [("all_reduce", None)]
+    with open(path, "a") as handle:
+        handle.write('5}\n')
+    first = reader.read()
+    assert [(e["op"], e["end"]) for e in first] == [("all_reduce", 2.5)]
+    offset = reader.offset
+    assert reader.read() == first and reader.offset == offset  # nothing new: nothing re-read
+
+
+def test_diagnosis_names_waiting_and_running_ranks():
+    ledgers = {
+        0: [{"seq": 7, "op": "all_reduce", "group": "world", "bytes": 4096, "end": None, "async": False}],
+        1: [{"seq": 6, "op": "broadcast", "group": "world", "bytes": 0, "end": 3.0, "async": False}],
+        2: [{"seq": 7, "op": "all_reduce", "group": "world", "bytes": 4096, "end": None, "async": False}],
+    }
+    stacks = {0: "", 1: 'Current thread (most recent call first):\n  File "<cell>", line 12 in <module>\n', 2: ""}
+    assert describe_stuck(ledgers, stacks) == [
+        "ranks 0, 2 are waiting in all_reduce #7 (4 KiB, world group)",
+        "rank 1 last completed broadcast #6 (world group) and is running Python at cell line 12",
+    ]
+
+
+def test_cell_line_reads_the_innermost_cell_frame_of_the_main_thread():
+    stack = ('Thread 0x1 (most recent call first):\n  File "<cell>", line 99 in helper\n\n'
+             'Current thread 0x2 (most recent call first):\n  File "/x/torch/c10d.py", line 5 in all_reduce\n'
+             '  File "<cell>", line 4 in <module>\n')
+    assert cell_line(stack) == 4
+    assert cell_line("no frames") is None
+
+
+def test_format_bytes():
+    assert [format_bytes(n) for n in (0, 8, 1024, 4 * 2**20, 3 * 2**30)] == ["0 B", "8 B", "1 KiB", "4 MiB", "3 GiB"]
+
+
+def test_watchdog_looks_for_the_same_mark_the_launcher_sets():
+    # watchdog.py runs as a standalone file, so it repeats the name instead of importing it.
+    assert watchdog.ENV_LAUNCH_MARK == procs.ENV_LAUNCH_MARK
