@@ -75,9 +75,11 @@ def _state(ledger: list[dict], stack: str) -> str:
     waiting = [e for e in ledger if e["end"] is None and not e["async"]]
     if waiting:
         return f"{{be}} waiting in {_what(waiting[-1])}"
-    done = [e for e in ledger if e["end"] is not None]
     line = cell_line(stack)
     where = f"running Python at cell line {line}" if line is not None else "running Python"
+    if ledger and ledger[-1].get("error"):
+        return f"{{be}} {where}, after {_what(ledger[-1])} raised {ledger[-1]['error']}"
+    done = [e for e in ledger if e["end"] is not None]
     if done:
         return f"last completed {_what(done[-1])} and {{be}} {where}"
     return f"{{be}} {where}, before any collective"

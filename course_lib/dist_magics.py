@@ -84,12 +84,12 @@ def _header(pool: Pool, ranks: list[int] | None) -> str:
 
 def _start(nproc: int, backend: str, init: bool) -> Pool:
     global _pool
-    if _pool is not None:
-        _pool.stop()
     try:
-        pool = Pool(nproc, backend, init=init)
+        pool = Pool(nproc, backend, init=init)  # checks the backend before anything is stopped
     except BackendError as exc:
         raise UsageError(f"%dist start: {exc}") from None
+    if _pool is not None:
+        _pool.stop()
     try:
         pool.start()
     except PoolError as exc:
@@ -99,16 +99,26 @@ def _start(nproc: int, backend: str, init: bool) -> Pool:
     return pool
 
 
+def _ranks_words(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def _exit_words(code: int | None) -> str:
+    if code is None:
+        return "exited"
+    return f"exit code {code}" if code >= 0 else describe_exit(code)
+
+
 def _failure_message(result: CellResult, pool: Pool, timeout_s: float) -> str:
     restart = "the ranks were stopped; the next %%dist cell starts new ones (their variables are gone)"
     if result.timed_out:
-        return f"deadline of {timeout_s:g} s passed; ranks still running: {', '.join(map(str, result.unfinished))}; {restart}"
+        return f"deadline of {timeout_s:g} s passed; still running: {_ranks_words(result.unfinished)}; {restart}"
     if result.dead:
         codes, _ = parse_torchrun_failures(result.agent_output)
-        how = ", ".join(f"rank {r} ({describe_exit(codes[r]) if r in codes else 'exited'})" for r in result.dead)
+        how = ", ".join(f"rank {r} ({_exit_words(codes.get(r))})" for r in result.dead)
         return f"{how} ended during the cell; {restart}"
     if result.interrupted and result.unfinished:
-        return f"ranks {', '.join(map(str, result.unfinished))} did not answer the interrupt; {restart}"
+        return f"{_ranks_words(result.unfinished)} did not answer the interrupt; {restart}"
     first = min(result.errors)
     kind, text = result.errors[first]
     last = text.strip().splitlines()[-1] if text.strip() else kind

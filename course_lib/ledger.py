@@ -8,6 +8,7 @@ a rank that hangs or is killed mid-collective. The kernel reads the files:
     {"seq": 7, "op": "all_reduce", "group": "world", "shapes": [[1024]], "dtype": "float32",
      "bytes": 4096, "start": 12.345, "async": false}          # entered
     {"seq": 7, "end": 12.349}                                  # returned
+    {"seq": 7, "end": 12.349, "error": "RuntimeError"}         # ... or raised
 
 `seq` counts calls per process group, so entry #7 of every member of a group
 is meant to be the same collective: where ranks' ledgers disagree is where a
@@ -105,10 +106,16 @@ class _Recorder:
             ).encode())
             _state.depth = 1
             try:
-                return fn(*args, **kwargs)
+                result = fn(*args, **kwargs)
+            except BaseException as exc:
+                # Returned, but failed: say so, or a peer's death would look like a completed call.
+                os.write(fd, f'{{"seq":{seq},"group":"{group}","end":{time.monotonic()!r},'
+                             f'"error":"{type(exc).__name__}"}}\n'.encode())
+                raise
             finally:
                 _state.depth = 0
-                os.write(fd, f'{{"seq":{seq},"group":"{group}","end":{time.monotonic()!r}}}\n'.encode())
+            os.write(fd, f'{{"seq":{seq},"group":"{group}","end":{time.monotonic()!r}}}\n'.encode())
+            return result
 
         recorded.__course_lib_ledger__ = True
         return recorded
@@ -158,11 +165,13 @@ class LedgerReader:
                 continue
             key = (record["group"], record["seq"])
             if "op" in record:
-                entry = {**record, "end": None}
+                entry = {**record, "end": None, "error": None}
                 self.entries.append(entry)
                 self.open[key] = entry
             elif key in self.open:
-                self.open.pop(key)["end"] = record["end"]
+                entry = self.open.pop(key)
+                entry["end"] = record["end"]
+                entry["error"] = record.get("error")  # the exception's name, if the call raised
         return self.entries
 
 

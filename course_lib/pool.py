@@ -21,6 +21,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge, wait
 from typing import Any, Callable
@@ -37,6 +38,7 @@ __all__ = ["CellResult", "Pool", "PoolError"]
 START_TIMEOUT_S = 120.0
 INTERRUPT_GRACE_S = 3.0  # how long ranks get to answer an interrupt before the pool is killed
 WAKE_S = 0.25  # the longest wait between live-view refreshes while a cell runs
+HANDSHAKE_S = 5.0  # the longest a connecting peer may take to prove it knows the secret
 
 
 class PoolError(RuntimeError):
@@ -119,19 +121,44 @@ class Pool:
                 sock, _ = server.accept()
             except socket.timeout:
                 continue
-            sock.setblocking(True)
-            conn = Connection(sock.detach())
-            try:
-                # Same order as multiprocessing's Listener: we challenge first, then answer.
-                deliver_challenge(conn, key)
-                answer_challenge(conn, key)
-            except Exception:  # a peer without the secret: drop it, read nothing from it
-                conn.close()
+            conn = self._authenticate(sock, key, min(HANDSHAKE_S, max(deadline - time.monotonic(), 0.1)))
+            if conn is None:
                 continue
             kind, rank, pid = receive(conn)
             assert kind == "hello"
             self.conns[rank] = conn
             self.pids[rank] = pid
+
+    @staticmethod
+    def _authenticate(sock: socket.socket, key: bytes, timeout_s: float) -> Connection | None:
+        """The HMAC challenge both ways, bounded in time: a peer that stays silent cannot stall start."""
+        sock.setblocking(True)
+        conn = Connection(os.dup(sock.fileno()))  # `sock` stays ours, to cut the handshake short
+        outcome: list[bool] = []
+
+        def handshake() -> None:
+            try:
+                # Same order as multiprocessing's Listener: we challenge first, then answer.
+                deliver_challenge(conn, key)
+                answer_challenge(conn, key)
+                outcome.append(True)
+            except Exception:  # noqa: BLE001 - a peer without the secret, or cut off below
+                outcome.append(False)
+
+        thread = threading.Thread(target=handshake, daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        if not outcome or not outcome[0]:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a handshake blocked in a read
+            except OSError:
+                pass
+            thread.join(1.0)
+            sock.close()
+            conn.close()
+            return None  # nothing from this peer was unpickled
+        sock.close()
+        return conn
 
     def _wait_ready(self, deadline: float) -> None:
         waiting = dict(self.conns)
@@ -161,12 +188,22 @@ class Pool:
             lines += [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
         return lines[-1] if lines else "no output"
 
+    def _log_tail(self, rank: int, lines: int = 5) -> str:
+        """The last lines rank `rank` wrote to its stderr file descriptor (torchrun's log of it)."""
+        paths = sorted(self.launch.log_dir.glob(f"*/attempt_*/{rank}/stderr.log"))
+        if not paths:
+            return ""
+        kept = [ln for ln in paths[-1].read_text(errors="replace").splitlines() if ln.strip()][-lines:]
+        return "".join(f"{ln}\n" for ln in kept)
+
     def _rank_of(self, conn: Connection) -> int:
         return next(rank for rank, c in self.conns.items() if c is conn)
 
     @property
     def running(self) -> bool:
-        return self.launch is not None and self.broken is None and self.launch.proc.poll() is None
+        if self.launch is not None and self.broken is None and self.launch.proc.poll() is not None:
+            self.broken = "the ranks exited between cells"  # e.g. a rank was killed from outside
+        return self.launch is not None and self.broken is None
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Ask every rank to leave (destroying its process group), then make sure all are gone."""
@@ -248,8 +285,11 @@ class Pool:
                 except Exception:  # noqa: BLE001 - still running: killed below
                     pass
             result.agent_output = self.launch.agent_output()
-            reason = ("deadline" if result.timed_out else "interrupt not answered" if result.unfinished
-                      else f"rank {result.dead[0]} died")
+            for rank in result.dead:
+                # What the process wrote below Python (a C++ abort message, a crash) is only in its log.
+                result.stderr[rank] += self._log_tail(rank)
+            reason = ("deadline" if result.timed_out else f"rank {result.dead[0]} died" if result.dead
+                      else "interrupt not answered")
             self.kill()
             self.broken = reason
         result.elapsed_s = time.monotonic() - started

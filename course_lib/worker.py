@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import linecache
 import os
+import signal
 import sys
 import threading
 import traceback
@@ -42,8 +43,7 @@ class _ConnectionWriter:
 
     def write(self, text: str) -> int:
         if text:
-            with self.lock:  # cells may print from several threads
-                send(self.conn, ("out", self.cell_id, self.stream, text))
+            _send_whole(self.conn, self.lock, ("out", self.cell_id, self.stream, text))
         return len(text)
 
     def flush(self) -> None:
@@ -51,6 +51,37 @@ class _ConnectionWriter:
 
     def isatty(self) -> bool:
         return False
+
+
+class _Interrupts:
+    """SIGINT raises KeyboardInterrupt in the cell, but never while the main thread is halfway
+    through sending a message: the kernel would then wait forever for the rest of it. An
+    interrupt that arrives during a send is raised right after it."""
+
+    sending = False
+    pending = False
+
+    @classmethod
+    def handler(cls, signum, frame):
+        if cls.sending:
+            cls.pending = True
+            return
+        raise KeyboardInterrupt
+
+
+def _send_whole(conn, lock: threading.Lock, message: Any) -> None:
+    main = threading.current_thread() is threading.main_thread()
+    with lock:  # cells may print from several threads
+        if main:
+            _Interrupts.sending = True
+        try:
+            send(conn, message)
+        finally:
+            if main:
+                _Interrupts.sending = False
+    if main and _Interrupts.pending:
+        _Interrupts.pending = False
+        raise KeyboardInterrupt
 
 
 def _format_error(exc: BaseException) -> tuple[str, str]:
@@ -70,6 +101,7 @@ def _connect():
 
 
 def main() -> None:
+    signal.signal(signal.SIGINT, _Interrupts.handler)
     conn = _connect()
     lock = threading.Lock()
     rank = int(os.environ["RANK"])
@@ -114,8 +146,10 @@ def main() -> None:
             exec(compile(text, "<cell>", "exec"), namespace)
         except BaseException as exc:  # noqa: BLE001 - report everything, including KeyboardInterrupt
             error = _format_error(exc)
-        with lock:
-            send(conn, ("done", cell_id, error, dict(published)))
+        try:
+            _send_whole(conn, lock, ("done", cell_id, error, dict(published)))
+        except KeyboardInterrupt:  # the cell has finished: a late interrupt has nothing to stop
+            pass
 
     import torch.distributed as dist
 

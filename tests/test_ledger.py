@@ -27,6 +27,10 @@ RECORD_SCRIPT = textwrap.dedent("""
     work = dist.all_reduce(x, async_op=True)
     work.wait()
     dist.barrier()
+    try:
+        dist.all_reduce(x, op=dist.ReduceOp.PREMUL_SUM(2.0))  # gloo refuses it: recorded as raised
+    except Exception:
+        pass
     pair = dist.new_group([0])
     dist.all_reduce(x, group=pair)
     dist.destroy_process_group()
@@ -45,9 +49,11 @@ def test_ledger_records_each_call_once_with_op_shape_dtype_bytes(tmp_path):
         ("all_gather_object", 4, "world", [], None, 0, False),
         ("all_reduce", 5, "world", [[1024]], "float32", 4096, True),
         ("barrier", 6, "world", [], None, 0, False),
+        ("all_reduce", 7, "world", [[1024]], "float32", 4096, False),
         ("all_reduce", 1, "ranks 0", [[1024]], "float32", 4096, False),
     ]
     assert all(e["end"] is not None and e["end"] >= e["start"] for e in entries)
+    assert [e["error"] for e in entries] == [None] * 6 + ["RuntimeError", None]
     for line in path.read_text().splitlines():
         json.loads(line)  # every line is valid JSON
 
@@ -77,6 +83,15 @@ def test_diagnosis_names_waiting_and_running_ranks():
     assert describe_stuck(ledgers, stacks) == [
         "ranks 0, 2 are waiting in all_reduce #7 (4 KiB, world group)",
         "rank 1 last completed broadcast #6 (world group) and is running Python at cell line 12",
+    ]
+
+
+def test_diagnosis_says_when_the_last_collective_raised():
+    ledgers = {1: [{"seq": 3, "op": "all_reduce", "group": "world", "bytes": 8, "end": 2.0, "async": False,
+                    "error": "RuntimeError"}]}
+    stacks = {1: '  File "<cell>", line 5 in <module>\n'}
+    assert describe_stuck(ledgers, stacks) == [
+        "rank 1 is running Python at cell line 5, after all_reduce #3 (8 B, world group) raised RuntimeError"
     ]
 
 
