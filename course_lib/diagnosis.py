@@ -17,6 +17,7 @@ import signal
 import time
 
 from .ledger import read_ledger
+from .output import ranks_phrase
 
 __all__ = ["cell_line", "collect", "describe_stuck", "format_bytes"]
 
@@ -96,6 +97,5 @@ def describe_stuck(ledgers: dict[int, list[dict]], stacks: dict[int, str]) -> li
         by_state.setdefault(_state(ledgers.get(rank, []), stacks[rank]), []).append(rank)
     lines = []
     for state, ranks in by_state.items():
-        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-        lines.append(f"{who} {state.format(be='is' if len(ranks) == 1 else 'are')}")
+        lines.append(f"{ranks_phrase(ranks)} {state.format(be='is' if len(ranks) == 1 else 'are')}")
     return lines

@@ -24,7 +24,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from .backend_choice import BACKEND_CHOICES, BackendError
 from .live import LiveView, print_diagnosis, print_rank_blocks
 from .magic_args import MagicParser, RankFailure, parse_line, positive_seconds, rank_count
-from .output import describe_exit, parse_torchrun_failures
+from .output import describe_exit, parse_torchrun_failures, ranks_phrase
 from .pool import CellResult, Pool, PoolError
 from .results import ledgers, results
 
@@ -99,10 +99,6 @@ def _start(nproc: int, backend: str, init: bool) -> Pool:
     return pool
 
 
-def _ranks_words(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-
-
 def _exit_words(code: int | None) -> str:
     if code is None:
         return "exited"
@@ -112,13 +108,13 @@ def _exit_words(code: int | None) -> str:
 def _failure_message(result: CellResult, pool: Pool, timeout_s: float) -> str:
     restart = "the ranks were stopped; the next %%dist cell starts new ones (their variables are gone)"
     if result.timed_out:
-        return f"deadline of {timeout_s:g} s passed; still running: {_ranks_words(result.unfinished)}; {restart}"
+        return f"deadline of {timeout_s:g} s passed; still running: {ranks_phrase(result.unfinished)}; {restart}"
     if result.dead:
         codes, _ = parse_torchrun_failures(result.agent_output)
         how = ", ".join(f"rank {r} ({_exit_words(codes.get(r))})" for r in result.dead)
         return f"{how} ended during the cell; {restart}"
     if result.interrupted and result.unfinished:
-        return f"{_ranks_words(result.unfinished)} did not answer the interrupt; {restart}"
+        return f"{ranks_phrase(result.unfinished)} did not answer the interrupt; {restart}"
     first = min(result.errors)
     kind, text = result.errors[first]
     last = text.strip().splitlines()[-1] if text.strip() else kind

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 import signal
 
-__all__ = ["MAX_LINES_PER_RANK", "clean_paths", "clean_rank_text", "describe_exit", "exit_summary", "parse_torchrun_failures", "rank_block"]
+__all__ = ["MAX_LINES_PER_RANK", "clean_paths", "clean_rank_text", "describe_exit", "exit_summary", "parse_torchrun_failures", "ranks_phrase", "rank_block"]
 
 MAX_LINES_PER_RANK = 400
 
@@ -53,7 +53,8 @@ def rank_block(rank: int, text: str, max_lines: int = MAX_LINES_PER_RANK) -> str
     return "".join(f"[rank {rank}] {line}\n" for line in lines)
 
 
-def _ranks_phrase(ranks: list[int]) -> str:
+def ranks_phrase(ranks: list[int]) -> str:
+    """"rank 3" or "ranks 0, 2"."""
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
@@ -75,4 +76,4 @@ def exit_summary(exit_codes: dict[int, int | None], not_started: list[int] = ())
     for rank in sorted(exit_codes):
         what = "not started" if rank in not_started else describe_exit(exit_codes[rank])
         groups.setdefault(what, []).append(rank)
-    return "exit: " + "; ".join(f"{_ranks_phrase(ranks)} -> {what}" for what, ranks in groups.items())
+    return "exit: " + "; ".join(f"{ranks_phrase(ranks)} -> {what}" for what, ranks in groups.items())
