@@ -7,10 +7,22 @@ Importing this package on a rank is cheap: IPython parts load only in a kernel.
 """
 
 from .backend_choice import BackendChoice, BackendError, choose_backend
-from .machine import describe_machine
 from .rank import DistInfo, backend, device, init, print0, publish
 from .results import ledgers, results
-from .torchrun import LaunchResult, run_torchrun
+
+# Kernel-side names, imported on first use: every rank imports this package
+# (line 1 of a %%torchrun cell), and these pull in psutil, subprocess, ...
+_LAZY = {"describe_machine": "machine", "LaunchResult": "torchrun", "run_torchrun": "torchrun"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "BackendChoice",

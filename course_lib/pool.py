@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 from .backend_choice import BackendChoice, choose_backend
 from .diagnosis import collect, describe_stuck
+from .fd_output import RankFdOutput
 from .ledger import LedgerReader
 from .torchrun import TorchrunProcess
 from .wire import receive, send
@@ -82,6 +83,7 @@ class Pool:
         self.run_dir: pathlib.Path | None = None
         self.broken: str | None = None  # why the pool can no longer run cells
         self.ledger_readers: dict[int, LedgerReader] = {}
+        self.fd_outputs: dict[int, RankFdOutput] = {}
         self.cell_id = 0
 
     # ------------------------------------------------------------------ start / stop
@@ -107,6 +109,9 @@ class Pool:
                                    for r in range(self.nproc)}
             self._accept_workers(server, key, time.monotonic() + timeout_s)
             self._wait_ready(time.monotonic() + timeout_s)
+            self.fd_outputs = {r: RankFdOutput(self.launch.log_dir, r) for r in range(self.nproc)}
+            for fd_output in self.fd_outputs.values():
+                fd_output.skip_to_end()  # start-up chatter is not the first cell's output
         except BaseException:
             self.kill()
             raise
@@ -188,13 +193,13 @@ class Pool:
             lines += [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
         return lines[-1] if lines else "no output"
 
-    def _log_tail(self, rank: int, lines: int = 5) -> str:
-        """The last lines rank `rank` wrote to its stderr file descriptor (torchrun's log of it)."""
-        paths = sorted(self.launch.log_dir.glob(f"*/attempt_*/{rank}/stderr.log"))
-        if not paths:
-            return ""
-        kept = [ln for ln in paths[-1].read_text(errors="replace").splitlines() if ln.strip()][-lines:]
-        return "".join(f"{ln}\n" for ln in kept)
+    def _forward_fd_output(self, result: CellResult, on_output) -> None:
+        """Add what the cell's ranks wrote below Python (fd_output.py) since the last look."""
+        for rank in result.ranks:
+            for stream, text in self.fd_outputs[rank].read():
+                getattr(result, stream)[rank] += text
+                if on_output is not None:
+                    on_output(rank, stream, text)
 
     def _rank_of(self, conn: Connection) -> int:
         return next(rank for rank, c in self.conns.items() if c is conn)
@@ -224,6 +229,9 @@ class Pool:
         for conn in self.conns.values():
             conn.close()
         self.conns.clear()
+        for fd_output in self.fd_outputs.values():
+            fd_output.close()
+        self.fd_outputs = {}
         if self.launch is not None:
             self.launch.kill()
             self.launch = None
@@ -277,17 +285,16 @@ class Pool:
         else:
             # Incremental: a cell parses only the entries added since the previous one.
             result.ledgers = {r: list(reader.read()) for r, reader in self.ledger_readers.items()}
+        if result.dead:
+            # Give torchrun a moment to notice and report how the rank ended.
+            try:
+                self.launch.proc.wait(timeout=2)
+            except Exception:  # noqa: BLE001 - still running: killed below
+                pass
+        # The rest of what ranks wrote below Python, e.g. the C++ message of a rank that aborted.
+        self._forward_fd_output(result, on_output)
         if result.timed_out or result.unfinished or result.dead:
-            if result.dead:
-                # Give torchrun a moment to notice and report how the rank ended.
-                try:
-                    self.launch.proc.wait(timeout=2)
-                except Exception:  # noqa: BLE001 - still running: killed below
-                    pass
             result.agent_output = self.launch.agent_output()
-            for rank in result.dead:
-                # What the process wrote below Python (a C++ abort message, a crash) is only in its log.
-                result.stderr[rank] += self._log_tail(rank)
             reason = ("deadline" if result.timed_out else f"rank {result.dead[0]} died" if result.dead
                       else "interrupt not answered")
             self.kill()
@@ -325,6 +332,7 @@ class Pool:
                     for name, value in published.items():
                         result.published.setdefault(name, {})[rank] = value
                     pending.discard(rank)
+            self._forward_fd_output(result, on_output)
             if on_poll is not None:
                 on_poll()
             if result.dead:

@@ -18,7 +18,17 @@ from typing import Any
 
 from .backend_choice import BackendChoice, choose_backend
 
-__all__ = ["DistInfo", "backend", "device", "init", "instrument", "print0", "publish"]
+__all__ = [
+    "DistInfo",
+    "backend",
+    "device",
+    "dump_stacks_on_signal",
+    "init",
+    "instrument",
+    "print0",
+    "publish",
+    "record_collectives",
+]
 
 # Environment variables set by the launcher (course_lib.torchrun).
 ENV_BACKEND = "COURSE_BACKEND"
@@ -75,20 +85,36 @@ def instrument() -> None:
     """Under a notebook launcher: record collectives (ledger.py) and dump stacks on SIGUSR1.
 
     Both go to files in the launch's folder, which the kernel reads after the
-    cell, or at a deadline to say which rank is stuck where.
+    cell, or at a deadline to say which rank is stuck where. Idempotent.
     """
+    dump_stacks_on_signal()
+    record_collectives()
+
+
+def dump_stacks_on_signal() -> None:
+    """Under a notebook launcher: SIGUSR1 writes every thread's Python stack to the launch's folder."""
     global _stack_file
     results_dir = os.environ.get(ENV_RESULTS_DIR)
-    if not results_dir or _stack_file is not None:
+    if not results_dir or _stack_file is not None or not hasattr(signal, "SIGUSR1"):
+        return
+    rank = os.environ.get("RANK", "0")
+    _stack_file = open(os.path.join(results_dir, f"stacks.rank{rank}.txt"), "w")
+    faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
+
+
+def record_collectives() -> None:
+    """Under a notebook launcher: every torch.distributed collective goes to this rank's ledger file.
+
+    Imports torch.distributed; `course_lib.cell_hook` calls it the moment
+    torch loads it, so cells that never import course_lib are recorded too.
+    """
+    results_dir = os.environ.get(ENV_RESULTS_DIR)
+    if not results_dir or os.environ.get(ENV_LEDGER, "1") == "0":  # COURSE_LEDGER=0: off (bench/ measures its cost)
         return
     from . import ledger
 
     rank = os.environ.get("RANK", "0")
-    if os.environ.get(ENV_LEDGER, "1") != "0":  # COURSE_LEDGER=0 turns it off (bench/ measures its cost)
-        ledger.install(os.path.join(results_dir, f"ledger.rank{rank}.jsonl"))
-    if hasattr(signal, "SIGUSR1"):
-        _stack_file = open(os.path.join(results_dir, f"stacks.rank{rank}.txt"), "w")
-        faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
+    ledger.install(os.path.join(results_dir, f"ledger.rank{rank}.jsonl"))
 
 
 def init(*, timeout_s: float = 60.0) -> DistInfo:

@@ -165,6 +165,18 @@ def _read_results(results_dir: pathlib.Path) -> dict[str, dict[int, Any]]:
     return {name: dict(sorted(by_rank.items())) for name, by_rank in results.items()}
 
 
+CELL_HOOK_IMPORT = "import course_lib.cell_hook"
+
+
+def _with_cell_hook(script: str, first_line: str) -> str:
+    """The script torchrun runs: the hook import (and `# first_line`) on line 1, then the script."""
+    if "from __future__" in script:
+        # A __future__ import must come first in a file: no hook, so such a script
+        # is recorded only if it calls cl.init().
+        return f"# {first_line}\n{script}"
+    return f"{CELL_HOOK_IMPORT}  # {first_line}\n{script}" if first_line else f"{CELL_HOOK_IMPORT}\n{script}"
+
+
 def run_torchrun(
     script: str,
     nproc: int,
@@ -181,14 +193,16 @@ def run_torchrun(
     On a deadline or a KeyboardInterrupt every process this launch started is
     killed by PID and the result says which ranks had not finished; the
     interrupt is reported through `result.interrupted`, not re-raised.
-    `first_line`, if given, is written as a comment above the script, so that
-    line numbers in tracebacks match a notebook cell whose first line is the magic.
+    Line 1 of the file torchrun runs imports `course_lib.cell_hook` (collective
+    ledger and stack dumps, even if the script never calls `cl.init()`), with
+    `first_line` as a comment after it: the script starts on line 2, so line
+    numbers in tracebacks match a notebook cell whose first line is the magic.
     """
     choice = choose_backend(nproc, backend)
     run_dir = pathlib.Path(tempfile.mkdtemp(prefix="course_lib_"))  # mode 0700
     try:
         script_path = run_dir / "cell.py"
-        script_path.write_text(f"# {first_line}\n{script}" if first_line else script)
+        script_path.write_text(_with_cell_hook(script, first_line))
         return _launch_and_follow(script_path, nproc, choice, timeout_s, on_output, on_poll, cwd)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)

@@ -24,6 +24,7 @@ import traceback
 from multiprocessing.connection import Client
 from typing import Any
 
+from . import cell_hook
 from . import rank as rank_env
 from .wire import receive, send
 
@@ -93,6 +94,19 @@ def _format_error(exc: BaseException) -> tuple[str, str]:
     return type(exc).__name__, text
 
 
+def _c_stdio_flusher():
+    """`fflush(NULL)` from the C library, or None: C code's buffered prints reach the log file
+    (fd_output.py) before the cell reports done, so they are shown with the cell that made them."""
+    try:
+        import ctypes
+
+        flush = ctypes.CDLL(None).fflush
+        flush.argtypes = [ctypes.c_void_p]
+        return flush
+    except (OSError, AttributeError):
+        return None
+
+
 def _connect():
     host, port = os.environ[ENV_POOL_ADDRESS].rsplit(":", 1)
     with open(os.environ[ENV_POOL_KEYFILE], "rb") as handle:
@@ -109,7 +123,9 @@ def main() -> None:
 
     published: dict[str, Any] = {}
     rank_env.set_publish_hook(published.__setitem__)
-    rank_env.instrument()  # the ledger records every collective of every cell
+    # The ledger records every collective of every cell, wrapped the moment torch.distributed
+    # loads, exactly as on line 1 of a %%torchrun cell (so both modes record the same calls).
+    cell_hook.install()
     ready_error = None
     if os.environ.get(ENV_POOL_INIT) == "1":
         try:
@@ -124,6 +140,7 @@ def main() -> None:
     err = _ConnectionWriter(conn, lock, "stderr")
     sys.stdout, sys.stderr = out, err
     namespace: dict[str, Any] = {"__name__": "__main__"}
+    flush_c_stdio = _c_stdio_flusher()
 
     while True:
         try:
@@ -146,6 +163,8 @@ def main() -> None:
             exec(compile(text, "<cell>", "exec"), namespace)
         except BaseException as exc:  # noqa: BLE001 - report everything, including KeyboardInterrupt
             error = _format_error(exc)
+        if flush_c_stdio is not None:
+            flush_c_stdio(None)
         try:
             _send_whole(conn, lock, ("done", cell_id, error, dict(published)))
         except KeyboardInterrupt:  # the cell has finished: a late interrupt has nothing to stop

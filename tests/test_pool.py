@@ -162,6 +162,28 @@ def test_output_streams_to_on_output_in_order(pools):
         assert "".join(t for r, s, t in chunks if (r, s) == (rank, "stderr")) == "oops\n" == result.stderr[rank]
 
 
+def test_output_below_python_is_shown_with_its_cell(pools):
+    # os.write to fds 1/2, a subprocess and C stdio (libc printf, buffered: the
+    # worker flushes it before reporting done) bypass sys.stdout; they come
+    # from torchrun's log files, and only with the cell that wrote them.
+    chunks = []
+    source = textwrap.dedent("""\
+        import ctypes, os, subprocess, sys
+        os.write(1, f"fd1 of rank {os.environ['RANK']}\\n".encode())
+        os.write(2, b"fd2\\n")
+        subprocess.run([sys.executable, "-c", "print('child')"], check=True)
+        ctypes.CDLL(None).printf(b"from C\\n")
+        """)
+    result = pools.get().run(source, on_output=lambda rank, stream, text: chunks.append((rank, stream, text)))
+    assert result.ok, result
+    for rank in (0, 1):
+        assert sorted(result.stdout[rank].splitlines()) == sorted([f"fd1 of rank {rank}", "child", "from C"])
+        assert result.stderr[rank] == "fd2\n"
+        assert "".join(t for r, s, t in chunks if (r, s) == (rank, "stdout")) == result.stdout[rank]
+    after = pools.get().run("print('next')")
+    assert after.stdout == {0: "next\n", 1: "next\n"} and after.stderr == {0: "", 1: ""}
+
+
 def test_publish_and_ledgers(pools):
     pool = pools.get()
     before = seq_next(pool)
@@ -263,6 +285,7 @@ def test_a_cpp_abort_in_gloo_is_a_dead_rank(pools):
     assert elapsed < 5
     assert result.dead == [1] and not result.timed_out
     assert _exit_codes(result)[1] == -6
+    assert "terminate called" in result.stderr[1]  # C++'s last words, from the rank's log file
     assert_next_cell_works(pools)
 
 

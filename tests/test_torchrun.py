@@ -303,13 +303,68 @@ def test_stuck_collective_ends_by_the_deadline():
     assert not result.ok
     if result.timed_out:
         assert result.unfinished == [0, 1]
-        # The ledgers and stacks say who is stuck where (script line 13 is the sleep).
+        # The ledgers and stacks say who is stuck where (the sleep is script
+        # line 13, cell line 14 below the hook line).
         assert result.diagnosis == [
             "rank 0 is waiting in all_reduce #1 (4 B, world group)",
-            "rank 1 is running Python at cell line 13, before any collective",
+            "rank 1 is running Python at cell line 14, before any collective",
         ]
-        assert 'File "<cell>", line 13' in result.stacks[1]
+        assert 'File "<cell>", line 14' in result.stacks[1]
         assert [(e["op"], e["end"]) for e in result.ledgers[0]] == [("all_reduce", None)]
+    _assert_nothing_left(run)
+
+
+def test_cell_without_cl_init_is_recorded_and_diagnosed():
+    # A script that starts its own process group and never imports course_lib:
+    # the hook on line 1 still records its collectives (whichever way they are
+    # imported) and dumps the stuck ranks' stacks at the deadline.
+    timeout_s = 9
+    run = launch(
+        """
+        import time
+        import torch
+        import torch.distributed as dist
+        from torch.distributed import broadcast
+        dist.init_process_group("gloo")
+        t = torch.ones(8)
+        broadcast(t, src=0)
+        if dist.get_rank() == 0:
+            dist.all_reduce(t)
+        else:
+            time.sleep(600)
+        """,
+        2,
+        timeout_s=timeout_s,
+    )
+    result = run.result
+    assert run.elapsed_s < timeout_s + 5
+    assert not result.ok
+    assert [(e["op"], e["bytes"], e["end"] is not None) for e in result.ledgers[1]] == [("broadcast", 32, True)]
+    assert [(e["op"], e["bytes"]) for e in result.ledgers[0]][0] == ("broadcast", 32)
+    assert result.timed_out  # gloo's default timeout (30 min) is far beyond the deadline
+    assert result.diagnosis == [
+        "rank 0 is waiting in all_reduce #2 (32 B, world group)",
+        "rank 1 last completed broadcast #1 (32 B, world group) and is running Python at cell line 13",
+    ]
+    assert 'File "<cell>", line 13' in result.stacks[1]
+    _assert_nothing_left(run)
+
+
+def test_future_import_cell_still_runs():
+    # `from __future__` must be a file's first statement, so such a script gets
+    # no hook line (and no ledger unless it calls cl.init()); it must still run.
+    run = launch(
+        """from __future__ import annotations
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        dist.barrier()
+        print("ok", flush=True)
+        """.replace("\n        ", "\n"),
+        2,
+    )
+    assert run.result.ok, run.result.stderr
+    assert run.result.stdout == {0: "ok\n", 1: "ok\n"}
+    assert run.result.ledgers in ({}, {0: [], 1: []})
     _assert_nothing_left(run)
 
 
