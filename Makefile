@@ -1,5 +1,6 @@
 # make lab   install (first time only) and open the course in JupyterLab
 # make test  install (first time only) and run every test, notebooks included
+# make exercises  regenerate exercises/ from solutions/ (course authors)
 #
 # TORCH_SPEC picks the PyTorch build. The default is the version the course is
 # tested with; override it to use another, e.g. `make lab TORCH_SPEC="torch>=2.6"`.
@@ -8,7 +9,7 @@ VENV       ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN        := $(VENV)/bin
 
-.PHONY: install lab test notebooks clean
+.PHONY: install lab test notebooks exercises clean
 
 install: $(VENV)/.installed
 
@@ -27,9 +28,9 @@ lab: install
 test: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest
 
-# Re-execute the lesson notebooks and store their outputs (what nbval compares),
+# Re-execute the lesson and solution notebooks and store their outputs (what nbval compares),
 # dropping the per-cell execution timestamps so diffs show only real changes.
-NB ?= notebooks/*.ipynb
+NB ?= notebooks/*.ipynb solutions/*.ipynb
 notebooks: install
 	for nb in $(NB); do \
 	  (cd "$$(dirname "$$nb")" && HF_HUB_OFFLINE=1 $(CURDIR)/$(BIN)/jupyter nbconvert --to notebook --execute \
@@ -37,6 +38,11 @@ notebooks: install
 	  $(BIN)/python -c "import nbformat, sys; nb = nbformat.read(sys.argv[1], 4); \
 	    [c.metadata.pop('execution', None) for c in nb.cells]; nbformat.write(nb, sys.argv[1])" "$$nb" || exit 1; \
 	done
+
+# Regenerate exercises/ from solutions/ (answers replaced by stubs). Never edit
+# exercises/ by hand: a test fails when it differs from what this writes.
+exercises: install
+	$(BIN)/python -m course_lib.grading.authoring
 
 clean:
 	rm -rf $(VENV)

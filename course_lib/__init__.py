@@ -12,7 +12,8 @@ from .results import ledgers, results
 
 # Kernel-side names, imported on first use: every rank imports this package
 # (line 1 of a %%torchrun cell), and these pull in psutil, subprocess, ...
-_LAZY = {"describe_machine": "machine", "LaunchResult": "torchrun", "run_torchrun": "torchrun"}
+_LAZY = {"describe_machine": "machine", "LaunchResult": "torchrun", "run_torchrun": "torchrun",
+         "check": "grading"}
 
 
 def __getattr__(name: str):
@@ -30,6 +31,7 @@ __all__ = [
     "DistInfo",
     "LaunchResult",
     "backend",
+    "check",
     "choose_backend",
     "describe_machine",
     "device",
@@ -46,10 +48,12 @@ __version__ = "0.1.0"
 
 
 def load_ipython_extension(ipython) -> None:
-    """`%load_ext course_lib`: registers `%%torchrun`, `%dist` and `%%dist`."""
+    """`%load_ext course_lib`: registers `%%torchrun`, `%dist`, `%%dist` and `%%exercise`."""
     from .dist_magics import DistMagics
+    from .grading.magic import ExerciseMagics
     from .magics import TorchrunMagics
 
     ipython.register_magics(TorchrunMagics)
     ipython.register_magics(DistMagics)
+    ipython.register_magics(ExerciseMagics)
 

@@ -1,0 +1,23 @@
+"""Exercises and autograding: learners' functions run on real ranks, judged against references.
+
+- `%%exercise 01.ring_allreduce` (a cell magic) saves the learner's answer cell;
+  `cl.check("01.ring_allreduce")` runs that exercise's public checks on it.
+- `python -m course_lib.grade SUBMISSIONS... [--hidden DIR] [--out DIR]` grades
+  notebooks (Gradescope results.json per submission, one CSV over all).
+- `python -m course_lib.grading.authoring` writes exercises/ from solutions/.
+
+Modules: spec (what an exercise is), lesson01 (the exercises and their judges),
+drivers + rank_runner (on the ranks), checker (launch and judge), registry
+(public and hidden checks), cells (finding answers), report, magic, grade.
+"""
+
+from __future__ import annotations
+
+__all__ = ["check"]
+
+
+def check(exercise_id: str):
+    """Run `exercise_id`'s public checks on the last `%%exercise` cell of that id; print the report."""
+    from .magic import check as _check
+
+    return _check(exercise_id)

@@ -1,0 +1,177 @@
+"""Run an exercise's checks on a learner's cell: real ranks, then judged in this process.
+
+`check_exercise(exercise, source)` launches each of the exercise's runs with
+`run_torchrun` (gloo, its own deadline) on `rank_runner.main`, loads what the
+ranks sent back (`torch.load(weights_only=True)`: data only, never the
+learner's objects), splits each rank's collective ledger by case, and lets
+every item's judge compare against the reference it computes here. A run
+that hangs, crashes or exits early scores 0 on each of its items, with a
+reason naming the rank; the next run goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import re
+import shutil
+import tempfile
+
+from ..torchrun import LaunchResult, run_torchrun
+from .rank_runner import EXIT_NO_FUNCTION
+from .spec import CaseResult, Exercise, RunOutcome, RunSpec
+
+__all__ = ["ItemResult", "Limits", "check_exercise"]
+
+MAX_OUTPUT_CHARS = 2000  # of a rank's own prints kept in a report (Gradescope shows it)
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What each rank of a check may use (see rank_runner)."""
+
+    memory_bytes: int = 4 << 30  # address space; torch + gloo alone map about 0.75 GiB
+    file_bytes: int = 16 << 20  # per file written, which includes the rank's output log
+
+
+@dataclasses.dataclass
+class ItemResult:
+    name: str
+    score: float
+    max_score: float
+    message: str = ""  # why it lost points, naming the rank and value; empty when it passed
+    output: str = ""  # what the ranks printed (trimmed), for the learner
+    hidden: bool = False
+
+    @property
+    def passed(self) -> bool:
+        return self.score == self.max_score
+
+
+def submission_source(cell_source: str) -> str:
+    """A `%%exercise` cell as a module: the magic line becomes a comment, keeping line numbers."""
+    first, _, rest = cell_source.partition("\n")
+    if first.lstrip().startswith("%%"):
+        first = "# " + first
+    return f"{first}\n{rest}"
+
+
+def check_exercise(exercise: Exercise, cell_source: str, *, limits: Limits = Limits(),
+                   on_item=None) -> list[ItemResult]:
+    """Every item of every run of `exercise` on the learner's cell, in order."""
+    results: list[ItemResult] = []
+    for run in exercise.runs:
+        for item in _check_run(exercise, run, cell_source, limits):
+            results.append(item)
+            if on_item is not None:
+                on_item(item)
+    return results
+
+
+def _check_run(exercise: Exercise, run: RunSpec, cell_source: str, limits: Limits) -> list[ItemResult]:
+    import torch
+
+    inputs = run.make_inputs(run.nproc)
+    job_dir = pathlib.Path(tempfile.mkdtemp(prefix="course_check_"))  # mode 0700
+    try:
+        (job_dir / "submission.py").write_text(submission_source(cell_source))
+        for rank in range(run.nproc):
+            torch.save([case[rank] for case in inputs], job_dir / f"inputs.rank{rank}.pt")
+        (job_dir / "job.json").write_text(json.dumps({
+            "exercise": exercise.id,
+            "function": exercise.function,
+            "driver": exercise.driver,
+            "allowed_ops": sorted(exercise.allowed_ops) if exercise.allowed_ops is not None else None,
+            "timeout_s": run.timeout_s,
+            "cpu_s": run.timeout_s,
+            "memory_bytes": limits.memory_bytes,
+            "file_bytes": limits.file_bytes,
+        }))
+        work = job_dir / "work"  # the ranks' working directory: whatever they write lands here
+        work.mkdir()
+        launch = run_torchrun(
+            f"from course_lib.grading.rank_runner import main\nmain({str(job_dir)!r})\n",
+            run.nproc, backend="gloo", timeout_s=run.timeout_s, cwd=str(work),
+        )
+        output = _trimmed_output(launch)
+        failure = _launch_failure(exercise, run, launch)
+        outcome = None if failure else _load_outcome(job_dir, run, inputs, launch)
+        if outcome is None and not failure:
+            failure = "the ranks finished but did not all send their results back"
+    finally:
+        shutil.rmtree(job_dir, ignore_errors=True)
+
+    items = []
+    for item in run.items:
+        if failure:
+            items.append(ItemResult(item.name, 0.0, item.points, failure, output, run.hidden))
+            continue
+        try:
+            problems = item.judge(outcome)
+        except Exception as exc:  # noqa: BLE001 - output of a shape the judge did not foresee
+            problems = [f"could not judge the result ({type(exc).__name__}: {exc})"]
+        score = 0.0 if problems else item.points
+        message = problems[0] + (f" (and {len(problems) - 1} more like it)" if len(problems) > 1 else "") if problems else ""
+        items.append(ItemResult(item.name, score, item.points, message, output, run.hidden))
+    return items
+
+
+def _load_outcome(job_dir: pathlib.Path, run: RunSpec, inputs, launch: LaunchResult) -> RunOutcome | None:
+    import torch
+
+    results: list[dict[int, CaseResult]] = [{} for _ in inputs]
+    for rank in range(run.nproc):
+        path = job_dir / f"outputs.rank{rank}.pt"
+        try:
+            saved = torch.load(path, weights_only=True)
+            outputs, spans = saved["outputs"], saved["spans"]
+        except Exception:  # noqa: BLE001 - missing, or not plain data
+            return None
+        ledger = launch.ledgers.get(rank, [])
+        for case, (output, (start, end)) in enumerate(zip(outputs, spans)):
+            in_case = [e for e in ledger if start <= e["start"] <= end]
+            results[case][rank] = CaseResult(output, in_case)
+    return RunOutcome(run.nproc, inputs, results)
+
+
+_CELL_LINE = re.compile(r'File "<cell>", line (\d+)')
+
+
+def _launch_failure(exercise: Exercise, run: RunSpec, launch: LaunchResult) -> str:
+    """Why a run did not finish normally, in one line naming the rank; "" if it did."""
+    if launch.timed_out:
+        stuck = "; ".join(launch.diagnosis) if launch.diagnosis else "ranks " + ", ".join(map(str, launch.unfinished))
+        return f"did not finish within {run.timeout_s:g} s on {run.nproc} ranks ({stuck})"
+    if launch.ok:
+        return ""
+    rank = launch.root_cause if launch.root_cause is not None else (launch.failed or [0])[0]
+    code = launch.exit_codes.get(rank)
+    err = launch.stderr.get(rank, "")
+    lines = [ln.strip() for ln in err.splitlines() if ln.strip()]
+    if code == EXIT_NO_FUNCTION and lines:
+        return lines[-1]
+    if code is not None and code < 0:
+        import signal
+
+        name = signal.Signals(-code).name
+        why = {"SIGXFSZ": " (wrote more than the output limit)", "SIGXCPU": " (used more than its CPU time)",
+               "SIGKILL": " (killed, perhaps for memory)"}.get(name, "")
+        return f"rank {rank} was ended by {name}{why}"
+    where = _CELL_LINE.findall(err)
+    at = f" at cell line {where[-1]}" if where else ""
+    last = lines[-1] if lines else "no error message"
+    if "Traceback (most recent call last):" in err:
+        return f"rank {rank} raised{at}: {last}"
+    return f"rank {rank} exited with code {code}: {last}"
+
+
+def _trimmed_output(launch: LaunchResult) -> str:
+    parts = []
+    for rank in sorted(launch.stdout):
+        text = launch.stdout[rank]
+        if text.strip():
+            if len(text) > MAX_OUTPUT_CHARS:
+                text = text[:MAX_OUTPUT_CHARS] + f"\n... ({len(text) - MAX_OUTPUT_CHARS} more characters)\n"
+            parts.append("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
+    return "".join(parts)

@@ -1,0 +1,41 @@
+"""Judges' vocabulary: compare what a rank sent back with the reference, and say what differs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["describe_bytes", "first_difference", "ops_called", "bytes_sent"]
+
+P2P_SENDS = ("send", "isend")
+
+
+def first_difference(got: Any, expected: Any) -> str:
+    """"" if `got` equals the tensor `expected` exactly; else the first difference, in words."""
+    import torch
+
+    if not isinstance(got, torch.Tensor):
+        return f"got a {type(got).__name__}, expected a tensor of shape {list(expected.shape)}"
+    if got.shape != expected.shape:
+        return f"shape {list(got.shape)}, expected {list(expected.shape)}"
+    if got.dtype != expected.dtype:
+        return f"dtype {str(got.dtype)[6:]}, expected {str(expected.dtype)[6:]}"
+    differs = (got != expected).nonzero()
+    if len(differs) == 0:
+        return ""
+    index = tuple(int(i) for i in differs[0])
+    where = f"element {list(index)}" if got.dim() > 1 else f"element {index[0]}" if index else "the value"
+    return f"{where} is {got[index].item():g}, expected {expected[index].item():g}"
+
+
+def ops_called(ledger: list[dict]) -> list[str]:
+    """The torch.distributed calls in a ledger, in order."""
+    return [entry["op"] for entry in ledger]
+
+
+def bytes_sent(ledger: list[dict]) -> int:
+    """Bytes this rank handed to send/isend (batch_isend_irecv's are not recorded by the ledger)."""
+    return sum(entry["bytes"] for entry in ledger if entry["op"] in P2P_SENDS)
+
+
+def describe_bytes(n: float) -> str:
+    return f"{n:g} B" if n < 1024 else f"{n / 1024:.1f} KiB"

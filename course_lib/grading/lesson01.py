@@ -1,0 +1,262 @@
+"""Lesson 01's exercises: a ring all-reduce, all-gather from broadcast, a grid of subgroups.
+
+Inputs are integer-valued tensors made from a fixed seed here, in the
+checker's process, so sums are exact in any order and every reference is
+computed without torch.distributed. Judges name the rank, the case and the
+first wrong value, and recognise the usual mistakes (averaging, aliasing,
+swapping rows and columns, passing the whole tensor around the ring).
+"""
+
+from __future__ import annotations
+
+import math
+
+from .compare import bytes_sent, describe_bytes, first_difference, ops_called
+from .spec import Exercise, Item, RunOutcome, RunSpec
+
+__all__ = ["EXERCISES"]
+
+P2P_OPS = frozenset({"send", "recv", "isend", "irecv"})
+
+
+def _integer_tensors(nproc: int, shapes: list[tuple], seed: int, dtype=None) -> list[dict[int, tuple]]:
+    """One case per shape; rank r gets its own integer-valued tensor (floats unless dtype is given)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    cases = []
+    for shape in shapes:
+        case = {}
+        for rank in range(nproc):
+            values = torch.randint(-9, 10, shape, generator=generator)
+            case[rank] = (values.to(dtype or torch.float32),)
+        cases.append(case)
+    return cases
+
+
+def _case_label(outcome: RunOutcome, case: int) -> str:
+    shape = list(outcome.inputs[case][0][0].shape)
+    return f"case {case + 1} of {len(outcome.inputs)} (shape {shape})"
+
+
+# ---------------------------------------------------------------- 01.ring_allreduce
+
+
+def _ring_sums(outcome: RunOutcome) -> list[str]:
+    import torch
+
+    problems = []
+    n = outcome.nproc
+    for case, by_rank in enumerate(outcome.results):
+        expected = sum(outcome.inputs[case][r][0] for r in range(n))
+        for rank in range(n):
+            got = by_rank[rank].output["tensor"]
+            wrong = first_difference(got, expected)
+            if not wrong:
+                continue
+            hint = ""
+            if torch.equal(got, outcome.inputs[case][rank][0]):
+                hint = ": the tensor is unchanged; did the ranks exchange anything?"
+            elif torch.allclose(got, expected / n):
+                hint = f": that is the sum divided by {n}; sum, do not average"
+            problems.append(f"rank {rank}, {_case_label(outcome, case)}: {wrong}{hint}")
+            break  # one rank per case is enough to see the pattern
+    return problems
+
+
+def _ring_p2p_only(outcome: RunOutcome) -> list[str]:
+    problems = []
+    for case, by_rank in enumerate(outcome.results):
+        for rank, result in by_rank.items():
+            ops = ops_called(result.ledger)
+            other = sorted(set(ops) - P2P_OPS)
+            if other:
+                problems.append(f"rank {rank} called {', '.join(other)}; only send/recv/isend/irecv are allowed")
+            elif not any(op in ("send", "isend") for op in ops):
+                problems.append(f"rank {rank}, {_case_label(outcome, case)}: sent nothing (no send or isend)")
+        if problems:
+            break
+    return problems
+
+
+def _ring_bandwidth(outcome: RunOutcome) -> list[str]:
+    n = outcome.nproc
+    for case, by_rank in enumerate(outcome.results):
+        tensor = outcome.inputs[case][0][0]
+        size = tensor.numel() * tensor.element_size()
+        # A ring over n chunks sends n-1 chunks to reduce and n-1 to gather: 2(n-1)/n of the
+        # tensor, rounded up to whole chunks when the size does not divide by n.
+        bound = 2 * (n - 1) * math.ceil(tensor.numel() / n) * tensor.element_size()
+        for rank, result in by_rank.items():
+            sent = bytes_sent(result.ledger)
+            if sent > bound:
+                return [f"rank {rank}, {_case_label(outcome, case)}: sent {describe_bytes(sent)} for a "
+                        f"{describe_bytes(size)} tensor; a ring over {n} chunks sends at most "
+                        f"{describe_bytes(bound)} (2(N-1)/N of it); are you passing the whole tensor around?"]
+    return []
+
+
+RING = Exercise(
+    id="01.ring_allreduce",
+    function="ring_allreduce",
+    signature="ring_allreduce(tensor: torch.Tensor) -> None",
+    driver="in_place",
+    allowed_ops=P2P_OPS,
+    runs=(
+        RunSpec(2, lambda n: _integer_tensors(n, [(10,), (3, 4)], seed=101),
+                (Item("sums on 2 ranks", 1, _ring_sums),)),
+        RunSpec(4, lambda n: _integer_tensors(n, [(7,), (4, 5)], seed=102),
+                (Item("sums on 4 ranks, sizes that do not divide by 4", 1, _ring_sums),
+                 Item("uses only send/recv/isend/irecv", 1, _ring_p2p_only),
+                 Item("sends 2(N-1)/N of the tensor per rank (a chunked ring)", 1, _ring_bandwidth))),
+    ),
+)
+
+
+# ---------------------------------------------------------------- 01.allgather_from_broadcast
+
+
+def _gathered(outcome: RunOutcome) -> list[str]:
+    import torch
+
+    n = outcome.nproc
+    for case, by_rank in enumerate(outcome.results):
+        expected = [outcome.inputs[case][r][0] for r in range(n)]
+        for rank in range(n):
+            out = by_rank[rank].output
+            where = f"rank {rank}, {_case_label(outcome, case)}"
+            if "list" not in out:
+                return [f"{where}: returned a {out['not_a_tensor_list']}, expected a list of {n} tensors"]
+            got = out["list"]
+            if len(got) != n:
+                return [f"{where}: returned {len(got)} tensors, expected {n} (one per rank)"]
+            shared = [(i, j) for i, others in enumerate(out["shared"]) for j in others if i < j]
+            if shared:
+                i, j = shared[0]
+                return [f"{where}: entries {i} and {j} are the same tensor; give each rank's data its own "
+                        "buffer (clone, or a new torch.empty_like per broadcast)"]
+            for src in range(n):
+                wrong = first_difference(got[src], expected[src])
+                if wrong:
+                    hint = ""
+                    if src != n - 1 and torch.equal(got[src], expected[n - 1]):
+                        hint = f": it holds rank {n - 1}'s tensor, the last one broadcast; one buffer reused?"
+                    return [f"{where}: entry {src} (rank {src}'s tensor): {wrong}{hint}"]
+    return []
+
+
+def _input_unchanged(outcome: RunOutcome) -> list[str]:
+    for case, by_rank in enumerate(outcome.results):
+        for rank, result in by_rank.items():
+            wrong = first_difference(result.output["input_after"], outcome.inputs[case][rank][0])
+            if wrong:
+                return [f"rank {rank}, {_case_label(outcome, case)}: the input tensor was changed ({wrong}); "
+                        "receive other ranks' data into new buffers"]
+    return []
+
+
+def _one_broadcast_per_rank(outcome: RunOutcome) -> list[str]:
+    n = outcome.nproc
+    for case, by_rank in enumerate(outcome.results):
+        for rank, result in by_rank.items():
+            ops = ops_called(result.ledger)
+            if set(ops) - {"broadcast"}:
+                return [f"rank {rank} called {', '.join(sorted(set(ops) - {'broadcast'}))}; only broadcast is allowed"]
+            if len(ops) != n:
+                return [f"rank {rank}, {_case_label(outcome, case)}: {len(ops)} broadcasts, expected {n} (one per source rank)"]
+    return []
+
+
+ALLGATHER = Exercise(
+    id="01.allgather_from_broadcast",
+    function="all_gather_by_broadcast",
+    signature="all_gather_by_broadcast(tensor: torch.Tensor) -> list[torch.Tensor]",
+    driver="returns_tensor_list",
+    allowed_ops=frozenset({"broadcast"}),
+    runs=(
+        RunSpec(2, lambda n: (_integer_tensors(n, [(3,)], seed=201, dtype=_int64())
+                              + _integer_tensors(n, [(2, 2)], seed=202)),
+                (Item("gathers on 2 ranks (int64 and float32)", 1, _gathered),)),
+        RunSpec(3, lambda n: _integer_tensors(n, [(5,)], seed=203),
+                (Item("gathers on 3 ranks", 1, _gathered),
+                 Item("leaves the input tensor unchanged", 1, _input_unchanged),
+                 Item("one broadcast per rank, nothing else", 1, _one_broadcast_per_rank))),
+    ),
+)
+
+
+def _int64():
+    import torch
+
+    return torch.int64
+
+
+# ---------------------------------------------------------------- 01.grid_groups
+
+
+def _grid_cases(nproc: int) -> list[dict[int, tuple]]:
+    return [{rank: (rows, cols) for rank in range(nproc)} for rows, cols in ((2, 2), (1, 4))]
+
+
+def _expected_members(kind: str, rank: int, rows: int, cols: int) -> list[int]:
+    row, col = divmod(rank, cols)
+    if kind == "row":
+        return [row * cols + c for c in range(cols)]
+    return [r * cols + col for r in range(rows)]
+
+
+def _group_judge(kind: str):
+    other = "col" if kind == "row" else "row"
+    word = {"row": "row", "col": "column"}
+
+    def judge(outcome: RunOutcome) -> list[str]:
+        for case, by_rank in enumerate(outcome.results):
+            rows, cols = outcome.inputs[case][0]
+            for rank, result in by_rank.items():
+                out = result.output
+                where = f"rank {rank} of a {rows}x{cols} grid"
+                if "not_a_pair" in out:
+                    return [f"{where}: returned a {out['not_a_pair']}, expected (row_group, col_group)"]
+                if "error" in out[kind]:
+                    return [f"{where}: the {word[kind]} group is not usable here: {out[kind]['error']}"]
+                expected = _expected_members(kind, rank, rows, cols)
+                got = out[kind]["members"]
+                if sorted(got) != expected:
+                    hint = ""
+                    if sorted(got) == _expected_members(other, rank, rows, cols):
+                        hint = f": that is its {word[other]}; rank r sits at row r // cols, column r % cols"
+                    return [f"{where}: {word[kind]} group has ranks {got}, expected {expected}{hint}"]
+        return []
+
+    return judge
+
+
+def _groups_work(outcome: RunOutcome) -> list[str]:
+    for case, by_rank in enumerate(outcome.results):
+        rows, cols = outcome.inputs[case][0]
+        for rank, result in by_rank.items():
+            for kind in ("row", "col"):
+                part = result.output.get(kind, {})
+                if "sum" not in part:
+                    return [f"rank {rank} of a {rows}x{cols} grid: no usable {kind} group to all_reduce over"]
+                expected = sum(_expected_members(kind, rank, rows, cols))
+                if part["sum"] != expected:
+                    return [f"rank {rank} of a {rows}x{cols} grid: all_reduce of the ranks over its {kind} group "
+                            f"gave {part['sum']}, expected {expected}"]
+    return []
+
+
+GRID = Exercise(
+    id="01.grid_groups",
+    function="grid_groups",
+    signature="grid_groups(rows: int, cols: int) -> tuple[ProcessGroup, ProcessGroup]",
+    driver="process_groups",
+    runs=(
+        RunSpec(4, _grid_cases,
+                (Item("row groups of a 2x2 and a 1x4 grid", 1, _group_judge("row")),
+                 Item("column groups of a 2x2 and a 1x4 grid", 1, _group_judge("col")),
+                 Item("each group works (all_reduce over it)", 1, _groups_work))),
+    ),
+)
+
+EXERCISES = {exercise.id: exercise for exercise in (RING, ALLGATHER, GRID)}

@@ -1,0 +1,83 @@
+"""What an exercise is: the function to write, the runs that exercise it, and how each is judged.
+
+An `Exercise` names the learner's function and the torch.distributed calls it
+may make. Each `RunSpec` is one real torchrun launch on `nproc` gloo ranks: the
+checker makes every case's inputs (in its own process, seeded), the ranks call
+the learner's function through the exercise's `driver`, and each `Item` judges
+what came back (outputs and collective ledgers) against a reference the
+checker computes itself. A run that crashes or hangs scores 0 on all its items.
+
+Drivers run on the ranks, inside the learner's process, so they live in this
+public package; judges and references run only in the checker's process, so
+hidden (instructor) checks can add runs with new inputs and judges without
+anything secret reaching the learner's code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+__all__ = ["CaseResult", "Exercise", "Item", "RunOutcome", "RunSpec"]
+
+
+@dataclasses.dataclass
+class CaseResult:
+    """What one case produced on one rank: the driver's return value and its ledger entries."""
+
+    output: Any
+    ledger: list[dict]  # the rank's collectives made while the learner's function ran on this case
+
+
+@dataclasses.dataclass
+class RunOutcome:
+    """Everything a judge may look at for one run: inputs[case][rank] and results[case][rank]."""
+
+    nproc: int
+    inputs: list[dict[int, tuple]]
+    results: list[dict[int, CaseResult]]
+
+
+# A judge returns the problems it found (each a short sentence naming the rank
+# and the value); an empty list means the item passes.
+Judge = Callable[[RunOutcome], list[str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    """One scored line of the report."""
+
+    name: str
+    points: float
+    judge: Judge
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """One launch: `make_inputs(nproc)` -> [case: {rank: args}], then its items are judged."""
+
+    nproc: int
+    make_inputs: Callable[[int], list[dict[int, tuple]]]
+    items: tuple[Item, ...]
+    timeout_s: float = 30.0
+    hidden: bool = False  # instructor-only: reported to learners only after grades are published
+
+
+@dataclasses.dataclass(frozen=True)
+class Exercise:
+    """An exercise: `function` is what the learner's `%%exercise <id>` cell must define."""
+
+    id: str
+    function: str
+    signature: str  # as shown to the learner, e.g. "ring_allreduce(tensor: torch.Tensor) -> None"
+    driver: str  # name of a function in course_lib.grading.drivers, run on every rank per case
+    runs: tuple[RunSpec, ...]
+    allowed_ops: frozenset[str] | None = None  # torch.distributed calls allowed; None: any
+
+    @property
+    def points(self) -> float:
+        return sum(item.points for run in self.runs for item in run.items)
+
+    def with_runs(self, extra: tuple[RunSpec, ...]) -> Exercise:
+        """This exercise with more (hidden) runs appended."""
+        return dataclasses.replace(self, runs=self.runs + tuple(extra))
