@@ -33,6 +33,7 @@ class Limits:
 
     memory_bytes: int = 4 << 30  # address space; torch + gloo alone map about 0.75 GiB
     file_bytes: int = 16 << 20  # per file written, which includes the rank's output log
+    run_timeout_s: float | None = None  # replaces every run's own deadline (slow machines, tests)
 
 
 @dataclasses.dataclass
@@ -73,6 +74,7 @@ def _check_run(exercise: Exercise, run: RunSpec, cell_source: str, limits: Limit
     import torch
 
     inputs = run.make_inputs(run.nproc)
+    timeout_s = limits.run_timeout_s or run.timeout_s
     job_dir = pathlib.Path(tempfile.mkdtemp(prefix="course_check_"))  # mode 0700
     try:
         (job_dir / "submission.py").write_text(submission_source(cell_source))
@@ -83,8 +85,8 @@ def _check_run(exercise: Exercise, run: RunSpec, cell_source: str, limits: Limit
             "function": exercise.function,
             "driver": exercise.driver,
             "allowed_ops": sorted(exercise.allowed_ops) if exercise.allowed_ops is not None else None,
-            "timeout_s": run.timeout_s,
-            "cpu_s": run.timeout_s,
+            "timeout_s": timeout_s,
+            "cpu_s": timeout_s,
             "memory_bytes": limits.memory_bytes,
             "file_bytes": limits.file_bytes,
         }))
@@ -92,13 +94,15 @@ def _check_run(exercise: Exercise, run: RunSpec, cell_source: str, limits: Limit
         work.mkdir()
         launch = run_torchrun(
             f"from course_lib.grading.rank_runner import main\nmain({str(job_dir)!r})\n",
-            run.nproc, backend="gloo", timeout_s=run.timeout_s, cwd=str(work),
+            run.nproc, backend="gloo", timeout_s=timeout_s, cwd=str(work),
         )
         output = _trimmed_output(launch)
-        failure = _launch_failure(exercise, run, launch)
+        failure = _launch_failure(run, launch, timeout_s)
         outcome = None if failure else _load_outcome(job_dir, run, inputs, launch)
         if outcome is None and not failure:
             failure = "the ranks finished but did not all send their results back"
+        if outcome is not None:
+            failure = _rule_broken(exercise, outcome)
     finally:
         shutil.rmtree(job_dir, ignore_errors=True)
 
@@ -135,14 +139,28 @@ def _load_outcome(job_dir: pathlib.Path, run: RunSpec, inputs, launch: LaunchRes
     return RunOutcome(run.nproc, inputs, results)
 
 
+def _rule_broken(exercise: Exercise, outcome: RunOutcome) -> str:
+    """The exercise's rules, read from the ledgers: no forbidden call, every required one made."""
+    for case, by_rank in enumerate(outcome.results):
+        for rank, result in sorted(by_rank.items()):
+            ops = {entry["op"] for entry in result.ledger}
+            if exercise.allowed_ops is not None and ops - exercise.allowed_ops:
+                return (f"rank {rank} called {', '.join(sorted(ops - exercise.allowed_ops))}, which "
+                        f"{exercise.id} does not allow (only {', '.join(sorted(exercise.allowed_ops))})")
+            if exercise.required_ops and not ops & exercise.required_ops:
+                return (f"rank {rank}, case {case + 1}: no {' or '.join(sorted(exercise.required_ops))} call "
+                        "was recorded, so its result did not come from the messages this exercise is about")
+    return ""
+
+
 _CELL_LINE = re.compile(r'File "<cell>", line (\d+)')
 
 
-def _launch_failure(exercise: Exercise, run: RunSpec, launch: LaunchResult) -> str:
+def _launch_failure(run: RunSpec, launch: LaunchResult, timeout_s: float) -> str:
     """Why a run did not finish normally, in one line naming the rank; "" if it did."""
     if launch.timed_out:
         stuck = "; ".join(launch.diagnosis) if launch.diagnosis else "ranks " + ", ".join(map(str, launch.unfinished))
-        return f"did not finish within {run.timeout_s:g} s on {run.nproc} ranks ({stuck})"
+        return f"did not finish within {timeout_s:g} s on {run.nproc} ranks ({stuck})"
     if launch.ok:
         return ""
     rank = launch.root_cause if launch.root_cause is not None else (launch.failed or [0])[0]

@@ -157,6 +157,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--results-json", help="also write the (single) submission's results.json here, "
                                                "e.g. /autograder/results/results.json on Gradescope")
     parser.add_argument("--force", action="store_true", help="grade again even where a result is kept")
+    parser.add_argument("--run-timeout", type=float, help="deadline of every run in seconds, replacing each "
+                                                          "run's own (20-30 s); raise it on slow machines")
     parser.add_argument("--memory-gib", type=float, default=Limits.memory_bytes / 2**30,
                         help="address-space limit per rank (default: %(default)g)")
     return parser
@@ -173,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                 exercise(want)
         results = grade(args.submissions, pathlib.Path(args.out),
                         hidden_dir=pathlib.Path(args.hidden) if args.hidden else None, wanted=wanted,
-                        force=args.force, limits=Limits(memory_bytes=int(args.memory_gib * 2**30)),
+                        force=args.force, limits=Limits(memory_bytes=int(args.memory_gib * 2**30), run_timeout_s=args.run_timeout),
                         progress=Progress(len(_submission_files(args.submissions)), stream=sys.stderr))
     except (FileNotFoundError, UnknownExercise, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

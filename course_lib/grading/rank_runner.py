@@ -49,24 +49,49 @@ def _apply_limits(job: dict) -> None:
     _limit(resource.RLIMIT_FSIZE, int(job["file_bytes"]))
 
 
+# The C++ ProcessGroup/Backend methods behind each Python call (the Python functions call these,
+# and so could a learner, bypassing dist.*): blocked too, except those an allowed call needs.
+_PG_METHODS = (
+    "allreduce", "allreduce_coalesced", "allgather", "_allgather_base", "allgather_coalesced",
+    "allgather_into_tensor_coalesced", "all_gather_single", "all_gather_single_coalesced",
+    "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "reduce_scatter_single",
+    "reduce_scatter_single_coalesced", "alltoall", "alltoall_base", "all_to_all_single", "broadcast",
+    "reduce", "gather", "scatter", "barrier", "monitored_barrier", "send", "recv", "recv_anysource",
+)
+_PG_METHODS_OF = {"send": {"send"}, "isend": {"send"}, "recv": {"recv", "recv_anysource"},
+                  "irecv": {"recv", "recv_anysource"}, "broadcast": {"broadcast"}}
+
+
 def _block_ops(exercise_id: str, allowed: list[str]) -> None:
-    """Replace each torch.distributed collective the exercise does not allow by one that says so."""
+    """Replace each torch.distributed call the exercise does not allow by one that says so.
+
+    Covers `dist.*`, `distributed_c10d.*` and the C++ group methods; not torch.ops.c10d.*
+    (dispatcher ops), which the checker's ledger rules catch instead (checker.py).
+    """
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
+    from torch._C import _distributed_c10d as cpp
 
     from ..ledger import RECORDED_OPS
 
     allowed_text = ", ".join(allowed)
+
+    def refusal(name: str):
+        def refused(*args, **kwargs):
+            raise RuntimeError(f"{exercise_id} may use only {allowed_text}: {name} is not allowed here")
+
+        return refused
+
     for name in RECORDED_OPS:
-        if name in allowed:
-            continue
-
-        def refused(*args, _name=name, **kwargs):
-            raise RuntimeError(f"{exercise_id} may use only {allowed_text}: dist.{_name} is not allowed here")
-
-        setattr(c10d, name, refused)
-        if hasattr(dist, name):
-            setattr(dist, name, refused)
+        if name not in allowed:
+            setattr(c10d, name, refusal(f"dist.{name}"))
+            if hasattr(dist, name):
+                setattr(dist, name, refusal(f"dist.{name}"))
+    needed = set().union(*(_PG_METHODS_OF.get(name, set()) for name in allowed))
+    for cls in (cpp.ProcessGroup, cpp.Backend):
+        for method in _PG_METHODS:
+            if method not in needed and hasattr(cls, method):
+                setattr(cls, method, refusal(f"ProcessGroup.{method}"))
 
 
 def _load_function(path: str, function: str, exercise_id: str):

@@ -59,7 +59,7 @@ class RunSpec:
     nproc: int
     make_inputs: Callable[[int], list[dict[int, tuple]]]
     items: tuple[Item, ...]
-    timeout_s: float = 30.0
+    timeout_s: float = 20.0  # a healthy 4-rank run takes 4-5 s here (launch included)
     hidden: bool = False  # instructor-only: reported to learners only after grades are published
 
 
@@ -73,6 +73,9 @@ class Exercise:
     driver: str  # name of a function in course_lib.grading.drivers, run on every rank per case
     runs: tuple[RunSpec, ...]
     allowed_ops: frozenset[str] | None = None  # torch.distributed calls allowed; None: any
+    # Calls each rank must be seen making (ledger) in every case, or nothing scores: an answer
+    # cannot have come from messages that were never sent.
+    required_ops: frozenset[str] = frozenset()
 
     @property
     def points(self) -> float:

@@ -1,0 +1,100 @@
+"""Lesson 01's exercises, graded on real gloo ranks: the solution scores full marks, the stub
+zero with its hint, and each plausible wrong answer loses exactly the points its mistake
+deserves, with a message that names what is wrong."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import nbformat
+import pytest
+
+import grading_answers as answers
+from course_lib.grading.cells import exercise_cells
+from course_lib.grading.checker import Limits, check_exercise
+from course_lib.grading.registry import exercise, exercises_of_lesson
+from course_lib.grading.report import format_report
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SOLUTIONS = exercise_cells(nbformat.read(ROOT / "solutions" / "01_process_groups.ipynb", as_version=4))
+STUBS = exercise_cells(nbformat.read(ROOT / "exercises" / "01_process_groups.ipynb", as_version=4))
+IDS = exercises_of_lesson("01")
+
+
+def test_lesson_01_has_its_three_exercises_in_both_notebooks():
+    assert IDS == ["01.ring_allreduce", "01.allgather_from_broadcast", "01.grid_groups"]
+    assert sorted(SOLUTIONS) == sorted(STUBS) == sorted(IDS)
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_solution_scores_full_marks(exercise_id):
+    items = check_exercise(exercise(exercise_id), SOLUTIONS[exercise_id])
+    assert all(item.passed for item in items), format_report(exercise_id, items)
+    assert sum(item.score for item in items) == exercise(exercise_id).points > 0
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_stub_scores_zero_and_says_what_to_write(exercise_id):
+    items = check_exercise(exercise(exercise_id), STUBS[exercise_id])
+    assert sum(item.score for item in items) == 0
+    for item in items:
+        assert f"NotImplementedError: {exercise_id}: " in item.message, item.message
+        assert item.message.startswith("rank "), item.message  # names the rank that raised
+
+
+def _lost(items) -> dict[str, str]:
+    return {item.name: item.message for item in items if not item.passed}
+
+
+WRONG = [
+    pytest.param("01.ring_allreduce", answers.RING_AVERAGES, {
+        # int64 cannot be divided in place, so the 2-rank run fails as a whole.
+        "sums float32 tensors on 2 ranks": "RuntimeError",
+        "sums an int64 tensor on 2 ranks (keeps its dtype)": "RuntimeError",
+        "sums on 4 ranks, sizes that do not divide by 4": "that is the sum divided by 4; sum, do not average",
+    }, id="ring-averages"),
+    pytest.param("01.ring_allreduce", answers.RING_WHOLE_TENSOR, {
+        "sends 2(N-1)/N of the tensor per rank (a chunked ring)":
+            "sent 84 B for a 28 B tensor; a ring over 4 chunks sends at most 48 B",
+    }, id="ring-whole-tensor"),
+    pytest.param("01.ring_allreduce", answers.RING_USES_ALL_REDUCE, {
+        name: "dist.all_reduce is not allowed here" for name in (
+            "sums float32 tensors on 2 ranks", "sums an int64 tensor on 2 ranks (keeps its dtype)",
+            "sums on 4 ranks, sizes that do not divide by 4", "sends 2(N-1)/N of the tensor per rank (a chunked ring)")
+    }, id="ring-all-reduce"),
+    pytest.param("01.allgather_from_broadcast", answers.ALLGATHER_ONE_BUFFER, {
+        "gathers on 2 ranks (int64 and float32)": "entries 0 and 1 are the same tensor",
+        "gathers on 3 ranks": "entries 0 and 1 are the same tensor",
+    }, id="allgather-one-buffer"),
+    pytest.param("01.allgather_from_broadcast", answers.ALLGATHER_OVERWRITES_INPUT, {
+        "gathers on 2 ranks (int64 and float32)": "entry 1 (rank 1's tensor)",
+        "gathers on 3 ranks": "entry 1 (rank 1's tensor)",
+        "leaves the input tensor unchanged": "the input tensor was changed",
+    }, id="allgather-overwrites-input"),
+    pytest.param("01.grid_groups", answers.GRID_SWAPPED, {
+        "row groups of a 2x2 and a 1x4 grid": "row group has ranks [0, 2], expected [0, 1]: that is its column",
+        "column groups of a 2x2 and a 1x4 grid": "column group has ranks [0, 1], expected [0, 2]: that is its row",
+        "each group works (all_reduce over it)": "over its row group gave 2, expected 1",
+    }, id="grid-swapped"),
+]
+
+
+@pytest.mark.parametrize("exercise_id, source, lost", WRONG)
+def test_wrong_answer_loses_the_right_points_and_says_why(exercise_id, source, lost):
+    items = check_exercise(exercise(exercise_id), source)
+    got = _lost(items)
+    assert sorted(got) == sorted(lost), format_report(exercise_id, items)
+    for name, phrase in lost.items():
+        assert phrase in got[name], f"{name}: {got[name]!r} lacks {phrase!r}"
+
+
+def test_ring_with_the_wrong_neighbour_hangs_on_4_ranks_and_the_deadline_says_where():
+    # On 2 ranks both neighbours are the same rank, so the mistake only shows on 4.
+    ring = exercise("01.ring_allreduce")
+    four_ranks = dataclasses.replace(ring, runs=ring.runs[1:])
+    items = check_exercise(four_ranks, answers.RING_WRONG_PEER, limits=Limits(run_timeout_s=12))
+    assert [item.score for item in items] == [0, 0]
+    message = items[0].message
+    assert message.startswith("did not finish within 12 s on 4 ranks (")
+    assert "rank 0 is waiting in recv #" in message, message
