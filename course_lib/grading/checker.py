@@ -97,7 +97,7 @@ def _check_run(exercise: Exercise, run: RunSpec, cell_source: str, limits: Limit
             run.nproc, backend="gloo", timeout_s=timeout_s, cwd=str(work),
         )
         output = _trimmed_output(launch)
-        failure = _launch_failure(run, launch, timeout_s)
+        failure = _launch_failure(run, launch, timeout_s, limits.file_bytes)
         outcome = None if failure else _load_outcome(job_dir, run, inputs, launch)
         if outcome is None and not failure:
             failure = "the ranks finished but did not all send their results back"
@@ -156,7 +156,7 @@ def _rule_broken(exercise: Exercise, outcome: RunOutcome) -> str:
 _CELL_LINE = re.compile(r'File "<cell>", line (\d+)')
 
 
-def _launch_failure(run: RunSpec, launch: LaunchResult, timeout_s: float) -> str:
+def _launch_failure(run: RunSpec, launch: LaunchResult, timeout_s: float, file_bytes: int) -> str:
     """Why a run did not finish normally, in one line naming the rank; "" if it did."""
     if launch.timed_out:
         stuck = "; ".join(launch.diagnosis) if launch.diagnosis else "ranks " + ", ".join(map(str, launch.unfinished))
@@ -173,12 +173,14 @@ def _launch_failure(run: RunSpec, launch: LaunchResult, timeout_s: float) -> str
         import signal
 
         name = signal.Signals(-code).name
-        why = {"SIGXFSZ": " (wrote more than the output limit)", "SIGXCPU": " (used more than its CPU time)",
+        why = {"SIGXCPU": " (used more than its CPU time)",
                "SIGKILL": " (killed, perhaps for memory)"}.get(name, "")
         return f"rank {rank} was ended by {name}{why}"
     where = _CELL_LINE.findall(err)
     at = f" at cell line {where[-1]}" if where else ""
     last = lines[-1] if lines else "no error message"
+    if "[Errno 27] File too large" in last:  # RLIMIT_FSIZE: Python ignores SIGXFSZ, so writes fail
+        last += f" (a rank may write at most {file_bytes / 2**20:g} MiB: print less)"
     if "Traceback (most recent call last):" in err:
         return f"rank {rank} raised{at}: {last}"
     return f"rank {rank} exited with code {code}: {last}"

@@ -22,6 +22,7 @@ class FileGuard:
     def __init__(self, folders: list[pathlib.Path]):
         self.folders = [f.resolve() for f in folders if f is not None]
         self.saved: dict[pathlib.Path, bytes] = {}
+        self.saved_dirs: set[pathlib.Path] = set()
 
     def _files(self) -> list[pathlib.Path]:
         found = []
@@ -30,8 +31,13 @@ class FileGuard:
                 found += [p for p in folder.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
         return found
 
+    def _dirs(self) -> set[pathlib.Path]:
+        return {p for folder in self.folders if folder.is_dir() for p in folder.rglob("*")
+                if p.is_dir() and "__pycache__" not in p.parts}
+
     def snapshot(self) -> None:
         self.saved = {path: path.read_bytes() for path in self._files()}
+        self.saved_dirs = self._dirs()
 
     def restore(self) -> list[str]:
         """Put every file back as snapshotted; return what had changed ("changed: path", ...)."""
@@ -54,4 +60,7 @@ class FileGuard:
                 tmp = path.with_name(path.name + ".restore")
                 tmp.write_bytes(content)
                 os.replace(tmp, path)
+        for folder in sorted(self._dirs() - self.saved_dirs, key=lambda p: len(p.parts), reverse=True):
+            changes.append(f"added {folder}/")
+            folder.rmdir()  # its files, all added, are gone already; deepest folders first
         return changes

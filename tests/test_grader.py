@@ -1,0 +1,262 @@
+"""The grader CLI (`python -m course_lib.grade`) on real submissions: Gradescope results.json, the
+CSV, hidden checks, resuming, and submissions that hang, crash, exit, flood their output, tamper
+with the grader's files or try to get around the exercise's rules. None stalls grading, none
+earns points it should not, and no process outlives the grading."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import nbformat
+import pytest
+
+import grading_answers as answers
+from proc_helpers import MARK_VAR, describe, kill_quietly, marked_processes, new_mark, still_alive
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXERCISES = ROOT / "exercises" / "01_process_groups.ipynb"
+RING = "01.ring_allreduce"
+RUN_TIMEOUT_S = 12
+RING_POINTS = 4
+
+HEADER = "%%exercise 01.ring_allreduce\nimport os, sys, time\nimport torch\nimport torch.distributed as dist\n\n\n"
+
+SUBMISSIONS = {
+    "a_good": answers.RING_SOLUTION,
+    "b_hangs": HEADER + "def ring_allreduce(tensor):\n    time.sleep(600)\n",
+    "c_raises": HEADER + "def ring_allreduce(tensor):\n    raise ValueError('my bug')\n",
+    "d_exits": HEADER + "def ring_allreduce(tensor):\n    os._exit(1)\n",
+    "e_floods": HEADER + "def ring_allreduce(tensor):\n    while True:\n        print('x' * 1000)\n",
+    # Uses the C++ group method directly, bypassing dist.all_reduce.
+    "f_bypasses": HEADER + "def ring_allreduce(tensor):\n"
+                           "    dist.distributed_c10d._get_default_group().allreduce([tensor]).wait()\n",
+    # Goes below torch.distributed to the dispatcher op, which nothing in Python can block:
+    # the ledger shows no send, so the sums cannot have come from a ring.
+    "g_dispatcher_op": HEADER + "import torch.distributed.distributed_c10d as c10d\n"
+                                "def ring_allreduce(tensor):\n"
+                                "    group = c10d._get_default_group().boxed()\n"
+                                "    torch.ops.c10d.allreduce_([tensor], group, torch.classes.c10d.ReduceOp(),\n"
+                                "                              None, False, -1)[1].wait()\n",
+}
+
+
+def _notebook_with(ring_cell: str) -> nbformat.NotebookNode:
+    nb = nbformat.read(EXERCISES, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code" and cell.source.startswith(f"%%exercise {RING}"):
+            cell.source = ring_cell
+    return nb
+
+
+def _write(folder: pathlib.Path, name: str, ring_cell: str) -> pathlib.Path:
+    path = folder / f"{name}.ipynb"
+    nbformat.write(_notebook_with(ring_cell), path)
+    return path
+
+
+def _grade(*args: str, env_mark: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, MARK_VAR: env_mark}
+    return subprocess.run([sys.executable, "-m", "course_lib.grade", *args], capture_output=True, text=True,
+                          timeout=timeout_s, env=env, cwd=ROOT)
+
+
+def _nothing_left(mark: str) -> None:
+    left = still_alive(marked_processes(mark), timeout_s=5)
+    kill_quietly(left)
+    assert left == [], describe(left)
+
+
+def _tests(result: dict) -> dict[str, dict]:
+    return {t["name"].split(": ", 1)[1]: t for t in result["tests"]}
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    """All SUBMISSIONS graded in one CLI call (ring exercise only), plus a tampering one."""
+    folder = tmp_path_factory.mktemp("submissions")
+    out = tmp_path_factory.mktemp("grades")
+    hidden = tmp_path_factory.mktemp("hidden")
+    (hidden / "ring_small.py").write_text(HIDDEN_CHECKS)
+    paths = [_write(folder, name, source) for name, source in SUBMISSIONS.items()]
+    # Last: overwrites the results of the first submission, the CSV and the hidden checks.
+    paths.append(_write(folder, "h_tampers", HEADER + TAMPERING.format(out=str(out), hidden=str(hidden))))
+    mark = new_mark()
+    started = time.monotonic()
+    proc = _grade(*map(str, paths), "--out", str(out), "--hidden", str(hidden), "--exercises", RING,
+                  "--run-timeout", str(RUN_TIMEOUT_S), env_mark=mark)
+    elapsed = time.monotonic() - started
+    _nothing_left(mark)
+    results = {p.name: json.loads((p / "results.json").read_text()) for p in out.iterdir() if p.is_dir()}
+    return proc, elapsed, out, hidden, results
+
+
+HIDDEN_CHECKS = '''
+from course_lib.grading.lesson01 import _integer_tensors, _ring_sums
+from course_lib.grading.spec import Item, RunSpec
+
+# SENTINEL-7f3a: must never reach a learner's process.
+HIDDEN_RUNS = {"01.ring_allreduce": [
+    RunSpec(3, lambda n: _integer_tensors(n, [(9,)], seed=999), (Item("sums on 3 ranks", 1, _ring_sums()),)),
+]}
+'''
+
+TAMPERING = '''import pathlib
+
+def ring_allreduce(tensor):
+    out, hidden = pathlib.Path({out!r}), pathlib.Path({hidden!r})
+    (out / "a_good" / "results.json").write_text('{{"score": 0, "tests": []}}')
+    (out / "grades.csv").write_text("submission,score\\nh_tampers,1000\\n")
+    (out / "b_hangs" / "results.json").unlink()
+    (hidden / "ring_small.py").write_text("HIDDEN_RUNS = {{}}\\n")
+    (out / "i_not_yet_graded").mkdir(exist_ok=True)
+    tensor.mul_(dist.get_world_size())  # and a wrong answer that cannot pass anyway
+'''
+
+
+def test_cli_succeeds_and_reports_every_submission(graded):
+    proc, _, out, _, results = graded
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(results) == sorted([*SUBMISSIONS, "h_tampers"])
+    assert f"a_good: {RING_POINTS + 1:g}/{RING_POINTS + 1:g}" in proc.stdout
+    # The progress bar (stderr is not a terminal: one line per submission).
+    assert proc.stderr.count("] ") == len(results)
+
+
+def test_results_json_is_gradescope_format_with_hidden_checks_after_publication(graded):
+    result = graded[4]["a_good"]
+    assert set(result) >= {"score", "tests", "output"}
+    assert result["score"] == RING_POINTS + 1
+    for test in result["tests"]:
+        assert set(test) >= {"name", "score", "max_score", "output", "visibility"}
+    visibility = {name: t["visibility"] for name, t in _tests(result).items()}
+    assert visibility["sums on 3 ranks"] == "after_published"
+    assert set(visibility.values()) == {"visible", "after_published"}
+
+
+def test_csv_has_one_row_per_submission(graded):
+    out, results = graded[2], graded[4]
+    lines = (out / "grades.csv").read_text().splitlines()
+    assert lines[0] == f"submission,score,max_score,{RING}"
+    rows = {line.split(",")[0]: line.split(",")[1:] for line in lines[1:]}
+    assert sorted(rows) == sorted(results)
+    assert rows["a_good"] == ["5", "5", "5"]
+
+
+def test_hanging_submission_scores_zero_within_its_deadlines(graded):
+    _, elapsed, _, _, results = graded
+    tests = _tests(results["b_hangs"])
+    assert results["b_hangs"]["score"] == 0
+    assert all(f"did not finish within {RUN_TIMEOUT_S} s" in t["output"] for t in tests.values())
+    assert "running Python at cell line 8" in tests["sums float32 tensors on 2 ranks"]["output"]
+    # 3 runs stopped at the deadline, 7 more submissions of ~3 launches each: well under 10 min.
+    assert elapsed < 3 * (RUN_TIMEOUT_S + 5) + 7 * 3 * 15
+
+
+@pytest.mark.parametrize("name, phrase", [
+    ("c_raises", "rank 0 raised at cell line 8: ValueError: my bug"),
+    ("d_exits", "exited with code 1"),
+    ("e_floods", "File too large (a rank may write at most 16 MiB: print less)"),
+    ("f_bypasses", "ProcessGroup.allreduce is not allowed here"),
+    ("g_dispatcher_op", "no isend or send call was recorded"),
+])
+def test_failing_submissions_score_zero_with_a_reason(graded, name, phrase):
+    result = graded[4][name]
+    assert result["score"] == 0
+    first = result["tests"][0]["output"]
+    assert phrase in first, first
+
+
+def test_flooding_submission_keeps_results_small(graded):
+    out = graded[2]
+    assert (out / "e_floods" / "results.json").stat().st_size < 100_000
+
+
+def test_tampering_is_undone_and_scores_zero(graded):
+    _, _, out, hidden, results = graded
+    assert results["h_tampers"]["score"] == 0
+    assert "changed the grader's files" in results["h_tampers"]["output"]
+    assert results["a_good"]["score"] == RING_POINTS + 1  # read back from disk after the tampering
+    assert (out / "b_hangs" / "results.json").exists()
+    assert "SENTINEL-7f3a" in (hidden / "ring_small.py").read_text()
+    assert not (out / "i_not_yet_graded").exists()
+    csv_rows = (out / "grades.csv").read_text()
+    assert "1000" not in csv_rows
+
+
+def test_second_run_keeps_every_result_without_launching(graded, tmp_path):
+    proc, _, out, hidden, results = graded
+    paths = sorted(str(p) for p in pathlib.Path(proc.args[3]).parent.glob("*.ipynb"))
+    started = time.monotonic()
+    again = _grade(*paths, "--out", str(out), "--hidden", str(hidden), "--exercises", RING,
+                   "--run-timeout", str(RUN_TIMEOUT_S), env_mark=new_mark())
+    assert again.returncode == 0, again.stderr
+    assert again.stderr.count(": kept") == len(results)
+    assert time.monotonic() - started < 20
+
+
+def test_learner_process_sees_no_expected_values_or_hidden_checks(tmp_path):
+    # The submission prints everything it can find next to it: its job folder and environment.
+    spy = HEADER + (
+        "def ring_allreduce(tensor):\n"
+        "    job = os.path.dirname(os.getcwd())\n"
+        "    for name in sorted(os.listdir(job)):\n"
+        "        path = os.path.join(job, name)\n"
+        "        print(name, open(path, errors='replace').read() if os.path.isfile(path) else '')\n"
+        "    print(sorted(os.environ.items()))\n"
+    )
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    (hidden / "ring_small.py").write_text(HIDDEN_CHECKS)
+    out = tmp_path / "out"
+    mark = new_mark()
+    proc = _grade(str(_write(tmp_path, "spy", spy)), "--out", str(out), "--hidden", str(hidden),
+                  "--exercises", RING, "--run-timeout", str(RUN_TIMEOUT_S), env_mark=mark)
+    _nothing_left(mark)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((out / "spy" / "results.json").read_text())
+    printed = "\n".join(t["output"] for t in result["tests"])
+    assert "job.json" in printed and "submission.py" in printed  # the spy did look
+    assert "inputs.rank" not in printed  # inputs were deleted before the learner's code ran
+    assert "SENTINEL-7f3a" not in printed and str(hidden) not in printed
+    assert "expected" not in printed.replace("expected a", "")
+
+
+def test_killed_grader_resumes_without_losing_results(tmp_path):
+    paths = [_write(tmp_path, f"s{i}", answers.RING_SOLUTION) for i in range(3)]
+    out = tmp_path / "out"
+    mark = new_mark()
+    env = {**os.environ, MARK_VAR: mark}
+    args = [sys.executable, "-m", "course_lib.grade", *map(str, paths), "--out", str(out), "--exercises", RING]
+    proc = subprocess.Popen(args, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (out / "s0" / "results.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)  # mid-way, possibly while s1's ranks run
+    proc.wait()
+    _nothing_left(mark)  # the launch's watchdog ends ranks whose grader died
+    first = json.loads((out / "s0" / "results.json").read_text())
+    assert first["score"] == RING_POINTS
+    assert not (out / "s2" / "results.json").exists()
+    again = _grade(*map(str, paths), "--out", str(out), "--exercises", RING, env_mark=new_mark())
+    assert again.returncode == 0, again.stderr
+    assert "s0: kept" in again.stderr and "s1: kept" not in again.stderr
+    rows = (out / "grades.csv").read_text().splitlines()[1:]
+    assert rows == [f"s{i},{RING_POINTS},{RING_POINTS},{RING_POINTS}" for i in range(3)]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["missing.ipynb"], "error: no such submission file or folder: missing.ipynb"),
+    (["exercises", "--exercises", "01.nope"], "error: no exercise '01.nope'; known: "),
+    (["exercises", "--hidden", "no_such_dir"], "error: hidden checks folder not found: no_such_dir"),
+    (["exercises", "solutions", "--results-json", "r.json"], "error: --results-json needs exactly one submission"),
+])
+def test_bad_input_is_one_line(args, message):
+    proc = _grade(*args, env_mark=new_mark(), timeout_s=60)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(message) and proc.stderr.count("\n") == 1, proc.stderr
