@@ -36,6 +36,21 @@ SUBMISSIONS = {
     # Uses the C++ group method directly, bypassing dist.all_reduce.
     "f_bypasses": HEADER + "def ring_allreduce(tensor):\n"
                            "    dist.distributed_c10d._get_default_group().allreduce([tensor]).wait()\n",
+    # Sums with the dispatcher op, then sends one element for show, so the ledger has a send.
+    "g2_fakes_sends": HEADER + "import torch.distributed.distributed_c10d as c10d\n"
+                               "def ring_allreduce(tensor):\n"
+                               "    group = c10d._get_default_group().boxed()\n"
+                               "    torch.ops.c10d.allreduce_([tensor], group, torch.classes.c10d.ReduceOp(),\n"
+                               "                              None, False, -1)[1].wait()\n"
+                               "    rank, world = dist.get_rank(), dist.get_world_size()\n"
+                               "    one = torch.zeros(1, dtype=tensor.dtype)\n"
+                               "    for step in ((0, 1) if rank % 2 == 0 else (1, 0)):\n"
+                               "        if step == 0:\n"
+                               "            dist.send(one, (rank + 1) % world)\n"
+                               "        else:\n"
+                               "            dist.recv(one, (rank - 1) % world)\n",
+    # Asks for 8 GiB: over the address-space limit (4 GiB), so the allocation fails at once.
+    "g3_hogs_memory": HEADER + "def ring_allreduce(tensor):\n    torch.empty(2**31)\n",
     # Goes below torch.distributed to the dispatcher op, which nothing in Python can block:
     # the ledger shows no send, so the sums cannot have come from a ring.
     "g_dispatcher_op": HEADER + "import torch.distributed.distributed_c10d as c10d\n"
@@ -164,6 +179,8 @@ def test_hanging_submission_scores_zero_within_its_deadlines(graded):
     ("e_floods", "File too large (a rank may write at most 16 MiB: print less)"),
     ("f_bypasses", "ProcessGroup.allreduce is not allowed here"),
     ("g_dispatcher_op", "no isend or send call was recorded"),
+    ("g2_fakes_sends", "sent only 4 B of a 40 B tensor with send/isend"),
+    ("g3_hogs_memory", "can't allocate memory"),
 ])
 def test_failing_submissions_score_zero_with_a_reason(graded, name, phrase):
     result = graded[4][name]

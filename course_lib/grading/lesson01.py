@@ -59,7 +59,17 @@ def _ring_sums(cases: range | None = None):
         for case in cases if cases is not None else range(len(outcome.results)):
             by_rank = outcome.results[case]
             expected = sum(outcome.inputs[case][r][0] for r in range(n))
+            size = expected.numel() * expected.element_size()
             for rank in range(n):
+                # Every element of a rank's tensor must leave it at least once, in some message,
+                # for the others to end with the sum: fewer bytes sent means the sum came
+                # from somewhere else (a collective the ledger could not see).
+                sent = bytes_sent(by_rank[rank].ledger)
+                if sent < size:
+                    problems.append(f"rank {rank}, {_case_label(outcome, case)}: sent only "
+                                    f"{describe_bytes(sent)} of a {describe_bytes(size)} tensor with send/isend, "
+                                    "so its values cannot all have reached the other ranks")
+                    break
                 got = by_rank[rank].output["tensor"]
                 wrong = first_difference(got, expected)
                 if not wrong:
@@ -86,6 +96,9 @@ def _ring_bandwidth(outcome: RunOutcome) -> list[str]:
         bound = 2 * (n - 1) * math.ceil(tensor.numel() / n) * tensor.element_size()
         for rank, result in by_rank.items():
             sent = bytes_sent(result.ledger)
+            if sent < size:  # see _ring_sums: fewer bytes than the tensor cannot carry its values
+                return [f"rank {rank}, {_case_label(outcome, case)}: sent only {describe_bytes(sent)} of a "
+                        f"{describe_bytes(size)} tensor with send/isend"]
             if sent > bound:
                 return [f"rank {rank}, {_case_label(outcome, case)}: sent {describe_bytes(sent)} for a "
                         f"{describe_bytes(size)} tensor; a ring over {n} chunks sends at most "
