@@ -33,12 +33,13 @@ from pathlib import Path
 import nbformat
 from nbformat import NotebookNode
 
+from .cells import EXERCISE_ID
+
 __all__ = ["MarkerError", "exercise_from_solution", "generate_all", "main"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # course_lib/grading/authoring.py -> repo
 NOTEBOOK_GLOB = "[0-9][0-9]_*.ipynb"
 
-EXERCISE_ID = re.compile(r"\d\d\.[a-z0-9_]+")
 BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"
 BEGIN_LINE = re.compile(r"### BEGIN SOLUTION(?:\s+hint:\s*(.*\S))?")

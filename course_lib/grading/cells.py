@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["EXERCISE_LINE", "exercise_cells", "parse_exercise_line", "remember", "remembered"]
+__all__ = ["EXERCISE_ID", "EXERCISE_LINE", "exercise_cells", "parse_exercise_line", "remember", "remembered"]
 
-EXERCISE_LINE = re.compile(r"^%%exercise\s+(\d\d\.[a-z0-9_]+)\s*$")
+EXERCISE_ID = re.compile(r"\d\d\.[a-z0-9_]+")  # lesson number, a dot, a name: 01.ring_allreduce
+EXERCISE_LINE = re.compile(rf"^%%exercise\s+({EXERCISE_ID.pattern})\s*$")
 
 _remembered: dict[str, str] = {}  # id -> source of the last %%exercise cell run in this kernel
 

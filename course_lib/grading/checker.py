@@ -16,6 +16,7 @@ import json
 import pathlib
 import re
 import shutil
+import signal
 import tempfile
 
 from ..torchrun import LaunchResult, run_torchrun
@@ -115,9 +116,11 @@ def _check_run(exercise: Exercise, run: RunSpec, cell_source: str, limits: Limit
             problems = item.judge(outcome)
         except Exception as exc:  # noqa: BLE001 - output of a shape the judge did not foresee
             problems = [f"could not judge the result ({type(exc).__name__}: {exc})"]
-        score = 0.0 if problems else item.points
-        message = problems[0] + (f" (and {len(problems) - 1} more like it)" if len(problems) > 1 else "") if problems else ""
-        items.append(ItemResult(item.name, score, item.points, message, output, run.hidden))
+        message = ""
+        if problems:
+            more = len(problems) - 1
+            message = problems[0] + (f" (and {more} more like it)" if more else "")
+        items.append(ItemResult(item.name, 0.0 if problems else item.points, item.points, message, output, run.hidden))
     return items
 
 
@@ -170,8 +173,6 @@ def _launch_failure(run: RunSpec, launch: LaunchResult, timeout_s: float, file_b
     if code == EXIT_NO_FUNCTION and lines:
         return lines[-1]
     if code is not None and code < 0:
-        import signal
-
         name = signal.Signals(-code).name
         why = {"SIGXCPU": " (used more than its CPU time)",
                "SIGKILL": " (killed, perhaps for memory)"}.get(name, "")

@@ -105,11 +105,10 @@ def _kept(path: pathlib.Path, sha: str, key: str) -> dict | None:
     return result if extra.get("submission_sha256") == sha and extra.get("checks") == key else None
 
 
-def grade(paths: list[str], out: pathlib.Path, *, hidden_dir: pathlib.Path | None = None,
+def grade(files: list[pathlib.Path], out: pathlib.Path, *, hidden_dir: pathlib.Path | None = None,
           wanted: list[str] | None = None, force: bool = False, limits: Limits = Limits(),
           progress: Progress | None = None) -> dict[str, dict]:
-    """Grade every submission in `paths`; return {name: results.json content}."""
-    files = _submission_files(paths)
+    """Grade every submission file (see `_submission_files`); return {name: results.json content}."""
     hidden = load_hidden(hidden_dir) if hidden_dir is not None else {}
     public_exercises()  # import every judge before any learner code runs
     key = _checks_key(hidden_dir, wanted)
@@ -168,15 +167,16 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     wanted = [w.strip() for w in args.exercises.split(",") if w.strip()] if args.exercises else None
     try:
-        if args.results_json and len(_submission_files(args.submissions)) != 1:
+        files = _submission_files(args.submissions)
+        if args.results_json and len(files) != 1:
             raise ValueError("--results-json needs exactly one submission")
         for want in wanted or []:
             if not want.isdigit():
                 exercise(want)
-        results = grade(args.submissions, pathlib.Path(args.out),
+        results = grade(files, pathlib.Path(args.out),
                         hidden_dir=pathlib.Path(args.hidden) if args.hidden else None, wanted=wanted,
                         force=args.force, limits=Limits(memory_bytes=int(args.memory_gib * 2**30), run_timeout_s=args.run_timeout),
-                        progress=Progress(len(_submission_files(args.submissions)), stream=sys.stderr))
+                        progress=Progress(len(files), stream=sys.stderr))
     except (FileNotFoundError, UnknownExercise, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

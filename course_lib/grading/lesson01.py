@@ -48,6 +48,22 @@ def _int64():
 # ---------------------------------------------------------------- 01.ring_allreduce
 
 
+def _sent_too_little(outcome: RunOutcome, case: int, rank: int) -> str:
+    """Why `rank` cannot have contributed its tensor by send/isend in `case`, or "".
+
+    Every element of a rank's tensor must leave it at least once, in some message, for
+    the others to end with the sum: fewer bytes sent means the sum came from somewhere
+    else (a collective below torch.distributed, which the ledger cannot see).
+    """
+    tensor = outcome.inputs[case][rank][0]
+    size = tensor.numel() * tensor.element_size()
+    sent = bytes_sent(outcome.results[case][rank].ledger)
+    if sent >= size:
+        return ""
+    return (f"rank {rank}, {_case_label(outcome, case)}: sent only {describe_bytes(sent)} of a "
+            f"{describe_bytes(size)} tensor with send/isend, so its values cannot all have reached the other ranks")
+
+
 def _ring_sums(cases: range | None = None):
     """Judge: every rank holds the sum of the inputs, in the cases given (default all)."""
 
@@ -59,16 +75,10 @@ def _ring_sums(cases: range | None = None):
         for case in cases if cases is not None else range(len(outcome.results)):
             by_rank = outcome.results[case]
             expected = sum(outcome.inputs[case][r][0] for r in range(n))
-            size = expected.numel() * expected.element_size()
             for rank in range(n):
-                # Every element of a rank's tensor must leave it at least once, in some message,
-                # for the others to end with the sum: fewer bytes sent means the sum came
-                # from somewhere else (a collective the ledger could not see).
-                sent = bytes_sent(by_rank[rank].ledger)
-                if sent < size:
-                    problems.append(f"rank {rank}, {_case_label(outcome, case)}: sent only "
-                                    f"{describe_bytes(sent)} of a {describe_bytes(size)} tensor with send/isend, "
-                                    "so its values cannot all have reached the other ranks")
+                too_little = _sent_too_little(outcome, case, rank)
+                if too_little:
+                    problems.append(too_little)
                     break
                 got = by_rank[rank].output["tensor"]
                 wrong = first_difference(got, expected)
@@ -95,10 +105,10 @@ def _ring_bandwidth(outcome: RunOutcome) -> list[str]:
         # tensor, rounded up to whole chunks when the size does not divide by n.
         bound = 2 * (n - 1) * math.ceil(tensor.numel() / n) * tensor.element_size()
         for rank, result in by_rank.items():
+            too_little = _sent_too_little(outcome, case, rank)
+            if too_little:
+                return [too_little]
             sent = bytes_sent(result.ledger)
-            if sent < size:  # see _ring_sums: fewer bytes than the tensor cannot carry its values
-                return [f"rank {rank}, {_case_label(outcome, case)}: sent only {describe_bytes(sent)} of a "
-                        f"{describe_bytes(size)} tensor with send/isend"]
             if sent > bound:
                 return [f"rank {rank}, {_case_label(outcome, case)}: sent {describe_bytes(sent)} for a "
                         f"{describe_bytes(size)} tensor; a ring over {n} chunks sends at most "

@@ -16,7 +16,7 @@ from ..magic_args import RankFailure
 from .cells import parse_exercise_line, remember, remembered
 from .checker import ItemResult, check_exercise, submission_source
 from .registry import UnknownExercise, exercise
-from .report import score_text
+from .report import item_line, score_text
 
 __all__ = ["CheckReport", "ExerciseMagics", "check"]
 
@@ -44,12 +44,6 @@ class CheckReport:
         return f"CheckReport({self.exercise_id}: {score_text(self.score, self.max_score)})"
 
 
-def _item_line(item: ItemResult) -> str:
-    mark = "pass" if item.passed else "FAIL"
-    text = f"  {mark}  {item.name} ({score_text(item.score, item.max_score)})"
-    return text + (f"\n        {item.message}" if item.message else "")
-
-
 def check(exercise_id: str) -> CheckReport:
     """Run the public checks of `exercise_id` on its last saved `%%exercise` cell, printing each result."""
     try:
@@ -62,7 +56,7 @@ def check(exercise_id: str) -> CheckReport:
     sizes = sorted({run.nproc for run in found.runs})
     runs = f"{len(found.runs)} run{'s' if len(found.runs) != 1 else ''}"
     print(f"{exercise_id}: {runs} on real ranks (gloo, {' and '.join(map(str, sizes))} ranks)", flush=True)
-    items = check_exercise(found, source, on_item=lambda item: print(_item_line(item), flush=True))
+    items = check_exercise(found, source, on_item=lambda item: print(item_line(item), flush=True))
     report = CheckReport(exercise_id, items)
     verdict = "all checks pass" if report.passed else "not yet"
     print(f"{exercise_id}: {score_text(report.score, report.max_score)} points, {verdict}")
