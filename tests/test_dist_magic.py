@@ -40,14 +40,7 @@ PRE_LINES = 4  # cell lines taken by PRE (the magic line comes before them)
 
 def _alive_now(procs, timeout_s: float = 0.0) -> list[psutil.Process]:
     """still_alive without the wait: a pool is meant to outlive the cell."""
-    alive = []
-    for p in procs:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                alive.append(p)
-        except psutil.Error:
-            continue
-    return alive
+    return still_alive(procs, timeout_s=0)
 
 
 class DistKernel(Kernel):
