@@ -29,10 +29,13 @@ from typing import Any
 
 __all__ = ["RECORDED_OPS", "LedgerReader", "install", "read_ledger"]
 
+# FSDP1 and FSDP2 call the *_single forms (torch >= 2.13; `all_gather_into_tensor` and
+# `reduce_scatter_tensor` became wrappers around them): without them FSDP traffic is invisible.
 RECORDED_OPS = (
     "send", "recv", "isend", "irecv", "batch_isend_irecv",
-    "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "gather", "scatter",
-    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
+    "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+    "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+    "all_to_all", "all_to_all_single",
     "barrier", "monitored_barrier",
     "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
 )

@@ -58,6 +58,34 @@ def test_ledger_records_each_call_once_with_op_shape_dtype_bytes(tmp_path):
         json.loads(line)  # every line is valid JSON
 
 
+FLAT_COLLECTIVES_SCRIPT = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist
+    from course_lib import ledger
+    ledger.install(sys.argv[1])
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    out = torch.zeros(6)
+    dist.all_gather_into_tensor(out, torch.ones(6))     # torch 2.13: a wrapper of all_gather_single
+    if hasattr(dist, "all_gather_single"):              # what FSDP2 calls
+        dist.all_gather_single(out, torch.ones(6))
+        dist.reduce_scatter_single(torch.zeros(3), torch.ones(3))
+    dist.destroy_process_group()
+""")
+
+
+def test_flat_collectives_fsdp_uses_are_recorded_once(tmp_path):
+    # FSDP1/FSDP2 all-gather and reduce-scatter through the *_single functions; a ledger
+    # that missed them would show an FSDP training step with no communication at all.
+    import torch.distributed as dist
+
+    path = str(tmp_path / "ledger.jsonl")
+    subprocess.run([sys.executable, "-c", FLAT_COLLECTIVES_SCRIPT, path], check=True, timeout=120)
+    summary = [(e["op"], e["bytes"]) for e in read_ledger(path)]
+    expected = [("all_gather_into_tensor", 24)]
+    if hasattr(dist, "all_gather_single"):
+        expected += [("all_gather_single", 24), ("reduce_scatter_single", 12)]
+    assert summary == expected
+
+
 def test_reader_parses_only_new_lines_and_waits_for_a_cut_line(tmp_path):
     path = tmp_path / "ledger.jsonl"
     reader = LedgerReader(str(path))
