@@ -10,20 +10,36 @@ from .backend_choice import BackendChoice, BackendError, choose_backend
 from .rank import DistInfo, backend, device, init, print0, publish
 from .results import ledgers, results
 
-# Kernel-side names, imported on first use: every rank imports this package
-# (line 1 of a %%torchrun cell), and these pull in psutil, subprocess, ...
-_LAZY = {"describe_machine": "machine", "LaunchResult": "torchrun", "run_torchrun": "torchrun",
-         "check": "grading"}
+# Imported on first use: every rank imports this package (line 1 of a %%torchrun
+# cell), and these pull in psutil, matplotlib, ipywidgets, ...
+_LAZY = {
+    # launching and checking
+    "describe_machine": "machine", "LaunchResult": "torchrun", "run_torchrun": "torchrun", "check": "grading",
+    # on a rank: collect plain data to publish
+    "sharding_of": "sharding", "mesh_of": "sharding", "measure_step": "memory", "comm_counts": "comm",
+    # in the kernel: draw what the ranks published (each returns its data)
+    "show_collective": "collectives_draw", "show_sharding": "sharding_draw", "draw_mesh": "sharding_draw",
+    "show_memory": "memory_draw", "comm_table": "comm", "show_timeline": "comm_draw", "show_comm": "comm_draw",
+    "memory_explorer": "widgets", "ring_allreduce_stepper": "widgets",
+    # at scale, without the hardware (fake process group, meta tensors; labelled SIMULATED)
+    "simulate_table": "simulate", "show_simulation": "simulate",
+}
+# Whole modules reachable as `cl.<name>`: `cl.theory.ring_all_reduce_bytes(...)`, `cl.models.toy_model()`.
+_LAZY_MODULES = ("theory", "models", "simulate")
 
 
 def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
+    import importlib
 
+    if name in _LAZY_MODULES:
+        value = importlib.import_module(f".{name}", __name__)
+    elif name in _LAZY:
         value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "BackendChoice",
@@ -33,15 +49,33 @@ __all__ = [
     "backend",
     "check",
     "choose_backend",
+    "comm_counts",
+    "comm_table",
     "describe_machine",
     "device",
+    "draw_mesh",
     "init",
     "ledgers",
     "load_ipython_extension",
+    "measure_step",
+    "memory_explorer",
+    "mesh_of",
+    "models",
     "print0",
     "publish",
     "results",
+    "ring_allreduce_stepper",
     "run_torchrun",
+    "sharding_of",
+    "show_collective",
+    "show_comm",
+    "show_memory",
+    "show_sharding",
+    "show_simulation",
+    "show_timeline",
+    "simulate",
+    "simulate_table",
+    "theory",
 ]
 
 __version__ = "0.1.0"

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["check_sharding", "clean_name", "print_dtensor_sharding", "sharding_of"]
+__all__ = ["check_sharding", "clean_name", "mesh_of", "print_dtensor_sharding", "sharding_of"]
 
 # Wrapper modules insert these into parameter names; the learner thinks in the original names.
 _WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
@@ -54,7 +54,8 @@ def _placement_str(placement: Any) -> str:
     return str(placement)
 
 
-def _mesh_dict(mesh: Any) -> dict:
+def mesh_of(mesh: Any) -> dict:
+    """A DeviceMesh as plain data to publish: {"shape", "dim_names" (dim0, dim1, ... if unnamed), "ranks"}."""
     names = list(mesh.mesh_dim_names or [f"dim{i}" for i in range(mesh.ndim)])
     return {"shape": list(mesh.shape), "dim_names": names, "ranks": mesh.mesh.tolist()}
 
@@ -175,11 +176,11 @@ def sharding_of(model: Any) -> dict:
         out["params"].append(_param(
             clean_name(name), p.to_local(), global_shape=p.shape, local_shape=local_shape, offset=offset,
             placements=[_placement_str(pl) for pl in p.placements],
-            mesh_dims=_mesh_dict(mesh)["dim_names"], padding=padding.get(id(p), 0)))
+            mesh_dims=mesh_of(mesh)["dim_names"], padding=padding.get(id(p), 0)))
         if widest is None or mesh.ndim > widest.ndim:
             widest = mesh
     if widest is not None:
-        out["mesh"] = _mesh_dict(widest)
+        out["mesh"] = mesh_of(widest)
         if fsdp_ndim == 0:
             out["kind"] = "tp"
         elif widest.ndim > fsdp_ndim:
