@@ -29,14 +29,15 @@ test: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest
 
 # Re-execute the lesson and solution notebooks and store their outputs (what nbval compares),
-# dropping the per-cell execution timestamps so diffs show only real changes.
+# dropping the per-cell execution timestamps so diffs show only real changes, and the saved
+# widget state (each widget's PNG is already in its output; the state would store it twice).
 NB ?= notebooks/*.ipynb solutions/*.ipynb
 notebooks: install
 	for nb in $(NB); do \
 	  (cd "$$(dirname "$$nb")" && HF_HUB_OFFLINE=1 $(CURDIR)/$(BIN)/jupyter nbconvert --to notebook --execute \
 	    --inplace --ExecutePreprocessor.timeout=600 "$$(basename "$$nb")") || exit 1; \
 	  $(BIN)/python -c "import nbformat, sys; nb = nbformat.read(sys.argv[1], 4); \
-	    [c.metadata.pop('execution', None) for c in nb.cells]; nbformat.write(nb, sys.argv[1])" "$$nb" || exit 1; \
+	    [c.metadata.pop('execution', None) for c in nb.cells]; nb.metadata.pop('widgets', None); nbformat.write(nb, sys.argv[1])" "$$nb" || exit 1; \
 	done
 
 # Regenerate exercises/ from solutions/ (answers replaced by stubs). Never edit

@@ -140,7 +140,8 @@ def show_timeline(ledgers: dict[int, list[dict]], *, steps: list[int] | None = N
     ax.set_title(title, fontsize=10)
     if drawn:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    lines = [f"rank {r}: {sum(b.rank == r and b.op != 'barrier' for b in bars)} calls, "
+    calls = {r: sum(b.rank == r and b.op != "barrier" for b in bars) for r in ranks}
+    lines = [f"rank {r}: {calls[r]} call{'' if calls[r] == 1 else 's'}, "
              f"{exact_bytes(sum(b.bytes for b in bars if b.rank == r))}" for r in ranks]
     if not quiet:
         print("\n".join(lines))
