@@ -30,7 +30,7 @@ import collections
 import dataclasses
 from typing import Any, Callable, Union
 
-from .diagnosis import format_bytes
+from .units import binary_bytes
 
 __all__ = [
     "CommRow", "CommTable", "CountRow", "TheoryRow", "canonical_op", "comm_counts", "comm_table",
@@ -65,7 +65,7 @@ def canonical_op(name: str) -> str:
 
 def exact_bytes(n: int) -> str:
     """`2,012 B`; from 1 MiB on with the rounded size beside it: `25,165,824 B (24 MiB)`."""
-    return f"{n:,} B" + (f" ({format_bytes(n)})" if n >= 2**20 else "")
+    return f"{n:,} B" + (f" ({binary_bytes(n)})" if n >= 2**20 else "")
 
 
 def _is_step_barrier(entry: dict, group: str) -> bool:

@@ -20,6 +20,7 @@ from typing import Any
 
 from .comm import CommTable, Expected, TheoryRow, canonical_op, compare_with_theory, exact_bytes
 from .figures import new_figure, show
+from .units import binary_bytes
 
 __all__ = ["OP_COLORS", "CommView", "TimelineBar", "TimelineView", "op_color", "show_comm", "show_timeline"]
 
@@ -35,14 +36,6 @@ _SPARE = ("#937860", "#da8bc3", "#8c8c8c", "#ccb974", "#64b5cd")
 def op_color(op: str) -> str:
     op = canonical_op(op)
     return OP_COLORS.get(op) or _SPARE[sum(map(ord, op)) % len(_SPARE)]
-
-
-def _short_bytes(n: int) -> str:
-    """A bar label: `476 B`, `2.07 KiB`, `24 MiB` (the exact number is in the view's data)."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n} B"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +124,7 @@ def show_timeline(ledgers: dict[int, list[dict]], *, steps: list[int] | None = N
         drawn.add(bar.op)
         if labels and bar.op != "barrier":
             # Above its bar (rank 0 is the top lane: the y axis runs downwards).
-            ax.text(bar.start * 1e3 + width / 2, bar.rank - 0.27, _short_bytes(bar.bytes), ha="center",
+            ax.text(bar.start * 1e3 + width / 2, bar.rank - 0.27, binary_bytes(bar.bytes, significant=3), ha="center",
                     va="bottom", fontsize=6, rotation=60)
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.set_ylim(max(ranks, default=0) + 0.6, -1.2)

@@ -18,6 +18,7 @@ import time
 
 from .ledger import read_ledger
 from .output import ranks_phrase
+from .units import binary_bytes
 
 __all__ = ["cell_line", "collect", "describe_stuck", "format_bytes"]
 
@@ -26,10 +27,8 @@ _OURS = re.compile(r'File "(?:[^"]*/course_lib/(?:ledger|worker)\.py|<frozen run
 
 
 def format_bytes(n: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:g} {unit}"
-    return f"{n} B"
+    """`4 MiB`, `8 B`: the size of a collective in a diagnosis line."""
+    return binary_bytes(n)
 
 
 def collect(results_dir: pathlib.Path, nproc: int, stuck_pids: dict[int, int]) -> tuple[dict, dict]:

@@ -37,6 +37,7 @@ import time
 from typing import Any
 
 from .simulate_worker import RESULT_MARK, llama_config, memory_of, record_collectives, shard_llama
+from .units import decimal_bytes
 
 __all__ = [
     "LABEL", "LLAMA_CONFIGS", "OPTIMIZERS", "PRECISIONS", "SimulationError", "SimulationResult", "llama_config",
@@ -238,20 +239,9 @@ def simulate_table(models=("llama-7b", "llama-70b"), world_sizes=(8, 64, 1024), 
     return [row for result in results for row in result_rows(result)]
 
 
-def _decimal_bytes(value: float, _position: Any = None) -> str:
+def _axis_bytes(value: float, _position: Any = None) -> str:
     """Axis label in decimal units, as GPU memory is sold: 80 GB, 500 MB."""
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if value >= size:
-            return f"{value / size:g} {unit}"
-    return f"{value:g} B"
-
-
-def _precise_bytes(value: float) -> str:
-    """Four significant digits in decimal units, for printed tables: 13.48 GB."""
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if value >= size:
-            return f"{value / size:.4g} {unit}"
-    return f"{value:g} B"
+    return decimal_bytes(value)
 
 
 def show_simulation(rows: list[dict], *, gpu_bytes: float = GPU_BYTES) -> tuple[dict, Any]:
@@ -279,7 +269,7 @@ def show_simulation(rows: list[dict], *, gpu_bytes: float = GPU_BYTES) -> tuple[
         data["sent"][model] = sorted({(r["world_size"], r["sent_bytes"]) for r in mine})
     data["lines"] = [f"SIMULATED: {LABEL}"] + [
         f"{r['model']:>10} on {r['world_size']:>4} ranks, rank {r['rank']:>4}: "
-        f"{_precise_bytes(r['total_bytes'])} of model state, sends {_precise_bytes(r['sent_bytes'])} per step"
+        f"{decimal_bytes(r['total_bytes'], significant=4)} of model state, sends {decimal_bytes(r['sent_bytes'], significant=4)} per step"
         for r in sorted(rows, key=lambda r: (r["model"], r["world_size"], r["rank"]))]
     print("\n".join(data["lines"]))
     fig = new_figure(11, 4.2)
@@ -297,13 +287,13 @@ def show_simulation(rows: list[dict], *, gpu_bytes: float = GPU_BYTES) -> tuple[
         ax.set_xscale("log", base=2)
         ax.set_xticks(world_sizes, [str(n) for n in world_sizes])
         ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.yaxis.set_major_formatter(FuncFormatter(_decimal_bytes))
+        ax.yaxis.set_major_formatter(FuncFormatter(_axis_bytes))
         ax.set_xlabel("world size (ranks)")
         ax.set_title(what, fontsize="medium")
         ax.legend(fontsize="small")
         ax.grid(True, which="major", alpha=0.3)
     memory_ax.set_yscale("log")  # memory falls as 1/N: a straight line on log-log
-    memory_ax.yaxis.set_major_formatter(FuncFormatter(_decimal_bytes))
+    memory_ax.yaxis.set_major_formatter(FuncFormatter(_axis_bytes))
     memory_ax.yaxis.set_minor_formatter(NullFormatter())
     sent_ax.set_ylim(bottom=0)  # linear from 0: what a rank sends does not shrink with N
     fig.suptitle(title)
