@@ -249,6 +249,8 @@ class TorchrunProcess:
         self.watchdog.kill()
         self.watchdog.wait()
         self._reader.join(timeout=5)
+        if not self._reader.is_alive():  # else the reader still uses the pipe (a grandchild holds it open)
+            self.proc.stdout.close()
 
     def agent_output(self) -> str:
         return b"".join(self._agent_chunks).decode("utf-8", errors="replace")

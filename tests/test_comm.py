@@ -8,6 +8,7 @@ under CommDebugMode. Every step is preceded by `dist.barrier()`: that is how
 `comm_table` cuts the ledger into steps.
 """
 
+import gc
 import warnings
 
 import pytest
@@ -97,12 +98,14 @@ def test_compare_counts_maps_debug_mode_names():
 
 def _render(view):
     with warnings.catch_warnings():
+        gc.collect()  # not a ResourceWarning for a file an earlier test left to the collector
         warnings.simplefilter("error")
         return png_bytes(view.fig)
 
 
 def test_timeline_data_and_render_from_a_hand_built_ledger():
     with warnings.catch_warnings():
+        gc.collect()  # not a ResourceWarning for a file an earlier test left to the collector
         warnings.simplefilter("error")
         view = show_timeline(HAND, quiet=True)
     assert _render(view).startswith(b"\x89PNG")
@@ -126,6 +129,7 @@ def test_timeline_data_and_render_from_a_hand_built_ledger():
 
 def test_show_comm_data_and_render():
     with warnings.catch_warnings():
+        gc.collect()  # not a ResourceWarning for a file an earlier test left to the collector
         warnings.simplefilter("error")
         view = show_comm(comm_table(HAND), [("all_gather_single", 100)] * 2 + [("reduce_scatter_single", 200)],
                          quiet=True)
@@ -251,6 +255,7 @@ def test_ledger_counts_match_comm_debug_mode(run):
 
 def test_timeline_and_table_figures_from_the_run(run):
     with warnings.catch_warnings():
+        gc.collect()  # not a ResourceWarning for a file an earlier test left to the collector
         warnings.simplefilter("error")
         timeline = show_timeline(run.ledgers, quiet=True)
         one_step = show_timeline(run.ledgers, steps=[FSDP2_STEPS[0]], quiet=True)

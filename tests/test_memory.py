@@ -8,6 +8,7 @@ the exact counts with `predict_step`, computed from the model's shapes with
 course_lib.theory, and draws them.
 """
 
+import gc
 import math
 import warnings
 
@@ -161,6 +162,7 @@ def test_zero1_partition_is_torchs(run, toy):
 def test_show_memory_draws_the_rows_it_returns(run, toy):
     shapes, units = toy
     with warnings.catch_warnings():
+        gc.collect()  # not a ResourceWarning for a file an earlier test left to the collector
         warnings.simplefilter("error")
         view = show_memory(run.results["memory"], model=toy_model(), unit_type=Block, display=False)
         png = png_bytes(view.figure)

@@ -7,6 +7,7 @@ whether each rank's reported block really holds those values of the model.
 Expected layouts come from `course_lib.theory`, computed from the model's shapes.
 """
 
+import gc
 import math
 import warnings
 
@@ -219,6 +220,7 @@ def test_show_sharding_and_draw_mesh_render_cleanly_and_return_their_input(run):
     for strategy in STRATEGIES[n]:
         per_rank = results[strategy]
         with warnings.catch_warnings():
+            gc.collect()  # not a ResourceWarning for a file an earlier test left to the collector
             warnings.simplefilter("error")
             view = show_sharding(per_rank, display=False)
             assert png_bytes(view.figure)[:4] == b"\x89PNG"
@@ -292,6 +294,7 @@ def test_sharding_of_a_plain_model_and_names():
 
 def test_draw_mesh_1d_and_refuses_3d():
     with warnings.catch_warnings():
+        gc.collect()  # not a ResourceWarning for a file an earlier test left to the collector
         warnings.simplefilter("error")
         view = draw_mesh({"shape": [4], "dim_names": ["dp"], "ranks": [0, 1, 2, 3]}, display=False)
         png_bytes(view.figure)

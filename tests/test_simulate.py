@@ -10,6 +10,7 @@ ranks; every byte must agree, and match course_lib.theory computed from the
 shapes. The table's timing lives in bench/bench_simulate.py, not here.
 """
 
+import gc
 import math
 import warnings
 
@@ -167,6 +168,7 @@ def test_rows_and_figure_show_what_was_simulated(simulated):
         theory.ring_all_gather_bytes(out, 8) if op == theory.FSDP_ALL_GATHER_OP
         else theory.ring_reduce_scatter_bytes(inp, 8) for op, inp, out in llama.collectives))
     with warnings.catch_warnings():
+        gc.collect()  # not a ResourceWarning for a file an earlier test left to the collector
         warnings.simplefilter("error")
         data, fig = show_simulation(rows)
         assert png_bytes(fig).startswith(b"\x89PNG")

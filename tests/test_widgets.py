@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import base64
+import gc
 import random
 
 import pytest
@@ -20,6 +21,13 @@ from course_lib.widgets import STRATEGIES, memory_comparison, memory_explorer, r
 
 # Figures and widgets must build headless with no warning at all.
 pytestmark = pytest.mark.filterwarnings("error")
+
+
+@pytest.fixture(autouse=True)
+def _collect_earlier_garbage():
+    # A file an earlier test left to the garbage collector would warn (ResourceWarning) inside
+    # these tests, where warnings are errors: collect it before they start.
+    gc.collect()
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
