@@ -20,7 +20,7 @@ simulated: they depend on the batch, not on FSDP. The results say
 "simulated" in their label, their table rows and the figure's title.
 
 Checked against reality in tests/test_simulate.py: the same helpers
-(`shard_llama`, `memory_of`, `record_collectives`) run a tiny Llama with
+(`shard_llama`, `memory_of`, `record_fsdp_collectives`) run a tiny Llama with
 padded shards on 2 and 4 real gloo ranks, and every byte agrees.
 """
 
@@ -36,12 +36,12 @@ import tempfile
 import time
 from typing import Any
 
-from .simulate_worker import RESULT_MARK, llama_config, memory_of, record_collectives, shard_llama
+from .simulate_worker import RESULT_MARK, llama_config, memory_of, record_fsdp_collectives, shard_llama
 from .units import decimal_bytes
 
 __all__ = [
     "LABEL", "LLAMA_CONFIGS", "OPTIMIZERS", "PRECISIONS", "SimulationError", "SimulationResult", "llama_config",
-    "memory_of", "record_collectives", "result_rows", "shard_llama", "show_simulation", "simulate_fsdp2",
+    "memory_of", "record_fsdp_collectives", "result_rows", "shard_llama", "show_simulation", "simulate_fsdp2",
     "simulate_many", "simulate_table",
 ]
 

@@ -1,6 +1,6 @@
 """What runs where FSDP2 runs: the Llama sharding, memory and collective helpers, and the simulation worker.
 
-`shard_llama`, `memory_of` and `record_collectives` run unchanged on real
+`shard_llama`, `memory_of` and `record_fsdp_collectives` run unchanged on real
 gloo ranks (tests/test_simulate.py) and inside `python -m
 course_lib.simulate_worker`, where each configuration joins torch's fake
 process group (FakeProcessGroup: a collective returns at once and sends
@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Any, Iterator
 
-__all__ = ["llama_config", "make_optimizer", "memory_of", "record_collectives", "shard_llama"]
+__all__ = ["llama_config", "make_optimizer", "memory_of", "record_fsdp_collectives", "shard_llama"]
 
 _HF_NAMES = {"hidden": "hidden_size", "layers": "num_hidden_layers", "vocab": "vocab_size",
              "intermediate": "intermediate_size", "heads": "num_attention_heads",
@@ -94,7 +94,7 @@ def memory_of(model: Any, optimizer: Any = None) -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def record_collectives() -> Iterator[list[tuple[str, int, int]]]:
+def record_fsdp_collectives() -> Iterator[list[tuple[str, int, int]]]:
     """Record FSDP's all-gathers and reduce-scatters as (function, input bytes, output bytes), in call order.
 
     FSDP looks the functions up on `torch.distributed` at each call, so
@@ -150,7 +150,7 @@ def _simulate_rank(job: dict, rank: int, step: bool) -> dict:
             return out
         # Fake tensors from here: FSDP's real code runs and allocates nothing. (Non-fake inputs
         # allowed: to_empty reads the meta shards, which are real meta tensors, not fake ones.)
-        with FakeTensorMode(allow_non_fake_inputs=True), record_collectives() as calls:
+        with FakeTensorMode(allow_non_fake_inputs=True), record_fsdp_collectives() as calls:
             model.to_empty(device="cpu")
             optimizer = make_optimizer(model.parameters(), job["optimizer"])
             input_ids = torch.zeros(1, _STEP_TOKENS, dtype=torch.long)

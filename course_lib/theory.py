@@ -32,6 +32,7 @@ from .theory_comm import (
     ring_reduce_scatter_bytes,
     ring_time_s,
     tp_layer_comm,
+    zero_step_sent_bytes,
 )
 
 __all__ = [
@@ -42,7 +43,7 @@ __all__ = [
     # from theory_comm
     "FSDP_ALL_GATHER_OP", "FSDP_REDUCE_SCATTER_OP", "ddp_step_bytes", "fsdp2_step_collectives",
     "ring_all_gather_bytes", "ring_all_reduce_bytes", "ring_all_reduce_schedule", "ring_reduce_scatter_bytes",
-    "ring_time_s", "tp_layer_comm",
+    "ring_time_s", "tp_layer_comm", "zero_step_sent_bytes",
 ]
 
 # Names a learner types for a dtype; anything else is looked up on torch.

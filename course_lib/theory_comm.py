@@ -18,6 +18,7 @@ __all__ = [
     "FSDP_ALL_GATHER_OP", "FSDP_REDUCE_SCATTER_OP",
     "ddp_step_bytes", "fsdp2_step_collectives", "ring_all_gather_bytes", "ring_all_reduce_bytes",
     "ring_all_reduce_schedule", "ring_reduce_scatter_bytes", "ring_time_s", "tp_layer_comm",
+    "zero_step_sent_bytes",
 ]
 
 # The functions FSDP2 (and FSDP1's reduce-scatter) call in torch 2.13, so the op
@@ -82,6 +83,23 @@ def ring_all_reduce_schedule(world_size: int) -> list[list[tuple[int, int, int, 
 
 
 # ---------------------------------------------------------------- data parallel steps
+
+def zero_step_sent_bytes(weight_bytes: float, grad_bytes: float, world_size: int, *, stage: int) -> dict[str, float]:
+    """Bytes each rank sends per training step on rings, by collective, for ZeRO stage 0 (DDP) to 3 (FSDP).
+
+    Stage 0 all-reduces the gradients. Stages 1 and 2 reduce-scatter the gradients
+    and all-gather the updated weights: the same volume as DDP (ZeRO paper,
+    arXiv:1910.02054, section 7). Stage 3 all-gathers the weights twice (forward,
+    and again in backward because they were freed) and reduce-scatters the
+    gradients: 1.5x DDP. `weight_bytes`/`grad_bytes`: the whole model's, unsharded.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+    if stage == 0:
+        return {"all_reduce": ring_all_reduce_bytes(grad_bytes, world_size)}
+    return {"reduce_scatter": ring_reduce_scatter_bytes(grad_bytes, world_size),
+            "all_gather": (2 if stage == 3 else 1) * ring_all_gather_bytes(weight_bytes, world_size)}
+
 
 def ddp_step_bytes(grad_numels: list[int], *, element_size: int = 4) -> dict[str, int]:
     """Input bytes DDP all-reduces per training step: every gradient once, {"all_reduce": total}.

@@ -79,11 +79,8 @@ def memory_comparison(num_params: int, world_size: int, *, precision: str = "bf1
                       optimizer: str = "adam") -> dict:
     """Per-rank bytes of model state and bytes sent per training step, for every strategy in `STRATEGIES`.
 
-    Memory: `theory.zero_memory_per_rank` (no activations, no padding). Traffic, ring
-    algorithms (`theory.ring_*_bytes`): DDP all-reduces the gradients; ZeRO-1/2
-    reduce-scatter the gradients and all-gather the updated weights (ZeRO paper,
-    section 7: the same volume as DDP); ZeRO-3/FSDP all-gathers the weights twice
-    (forward, and again in backward since they were freed) and reduce-scatters the gradients.
+    Memory: `theory.zero_memory_per_rank` (no activations, no padding); traffic:
+    `theory.zero_step_sent_bytes` (ring collectives; ZeRO-3 sends 1.5x DDP).
     """
     from . import theory
 
@@ -93,11 +90,7 @@ def memory_comparison(num_params: int, world_size: int, *, precision: str = "bf1
     for label, stage in STRATEGIES:
         m = theory.zero_memory_per_rank(num_params, world_size, stage=stage, precision=precision, optimizer=optimizer)
         memory[label] = {"params": m.params, "grads": m.grads, "optimizer": m.optimizer, "total": m.total}
-        if stage == 0:
-            comm[label] = {"all_reduce": theory.ring_all_reduce_bytes(grads, world_size)}
-        else:
-            comm[label] = {"reduce_scatter": theory.ring_reduce_scatter_bytes(grads, world_size),
-                           "all_gather": (2 if stage == 3 else 1) * theory.ring_all_gather_bytes(weights, world_size)}
+        comm[label] = theory.zero_step_sent_bytes(weights, grads, world_size, stage=stage)
     return {"num_params": num_params, "world_size": world_size, "precision": precision, "optimizer": optimizer,
             "bytes_per_param": {"params": per.params, "grads": per.grads, "optimizer": per.optimizer},
             "memory": memory, "comm": comm, "comm_total": {k: sum(v.values()) for k, v in comm.items()}}

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import LlamaForCausalLM
 import course_lib as cl
-from course_lib.simulate import llama_config, memory_of, record_collectives, shard_llama
+from course_lib.simulate import llama_config, memory_of, record_fsdp_collectives, shard_llama
 from course_lib.simulate_worker import make_optimizer
 
 info = cl.init(timeout_s=60)
@@ -49,7 +49,7 @@ for precision in {PRECISIONS!r}:
     optimizer = make_optimizer(model.parameters(), "adam")
     input_ids = torch.randint(0, {TINY["vocab"]}, (2, 8))
     dist.barrier()  # ledger marker: the step starts
-    with record_collectives() as calls:
+    with record_fsdp_collectives() as calls:
         model(input_ids=input_ids, labels=input_ids).loss.backward()
         optimizer.step()
     dist.barrier()  # ledger marker: the step ended

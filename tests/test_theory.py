@@ -168,6 +168,18 @@ def test_ring_bytes():
         theory.ring_time_s("broadcast", 1000, 4, **kw)
 
 
+def test_zero_stages_send_what_the_zero_paper_says():
+    # 4 ranks, 1000 B of weights and of gradients (same dtype): DDP all-reduce 1500 B sent per rank.
+    ddp = theory.zero_step_sent_bytes(1000, 1000, 4, stage=0)
+    assert ddp == {"all_reduce": 1500}
+    for stage in (1, 2):  # reduce-scatter 750 + all-gather 750: the same volume as DDP
+        assert theory.zero_step_sent_bytes(1000, 1000, 4, stage=stage) == {"reduce_scatter": 750, "all_gather": 750}
+    zero3 = theory.zero_step_sent_bytes(1000, 1000, 4, stage=3)
+    assert zero3 == {"reduce_scatter": 750, "all_gather": 1500} and sum(zero3.values()) == 1.5 * ddp["all_reduce"]
+    with pytest.raises(ValueError):
+        theory.zero_step_sent_bytes(1000, 1000, 4, stage=4)
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 8])
 def test_ring_schedule_sums_on_every_rank(world_size):
     n = world_size
