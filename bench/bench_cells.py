@@ -56,11 +56,11 @@ import torch
 import torch.distributed as dist
 from jupyter_client import KernelManager
 
-from course_lib import ledger
-from course_lib import torchrun as torchrun_mod
-from course_lib.pool import Pool
-from course_lib.procs import ProcessTree
-from course_lib.torchrun import TorchrunProcess, run_torchrun
+from course_lib.rank import ledger
+from course_lib.launcher import torchrun as torchrun_mod
+from course_lib.launcher.pool import Pool
+from course_lib.launcher.processes import ProcessTree
+from course_lib.launcher.torchrun import TorchrunProcess, run_torchrun
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TORCHRUN = pathlib.Path(sys.executable).parent / "torchrun"

@@ -21,7 +21,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from course_lib.simulate import LLAMA_CONFIGS, simulate_many  # noqa: E402
+from course_lib.measure.simulate import LLAMA_CONFIGS, simulate_many  # noqa: E402
 
 WORLD_SIZES = (8, 64, 1024)
 

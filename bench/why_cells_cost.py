@@ -35,7 +35,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_cells import ONE_SHOT, TORCHRUN, check, children_cpu_s, self_cpu_s, start_pool  # noqa: E402
 
 from course_lib import torchrun as torchrun_mod  # noqa: E402
-from course_lib.procs import ProcessTree  # noqa: E402
+from course_lib.launcher.processes import ProcessTree  # noqa: E402
 
 RANK_SETUP = r'''
 import json

@@ -14,31 +14,44 @@ from .results import ledgers, results
 # cell), and these pull in psutil, matplotlib, ipywidgets, ...
 _LAZY = {
     # launching and checking
-    "describe_machine": "machine", "LaunchResult": "torchrun", "run_torchrun": "torchrun", "check": "grading",
+    "describe_machine": "machine", "LaunchResult": "launcher.torchrun", "run_torchrun": "launcher.torchrun",
+    "check": "grading",
     # on a rank: collect plain data to publish
-    "sharding_of": "sharding", "mesh_of": "sharding", "measure_step": "memory", "comm_counts": "comm",
+    "sharding_of": "measure.sharding", "mesh_of": "measure.sharding", "measure_step": "measure.memory",
+    "comm_counts": "measure.comm",
     # in the kernel: draw what the ranks published (each returns its data)
-    "show_collective": "collectives_draw", "show_sharding": "sharding_draw", "draw_mesh": "sharding_draw",
-    "show_memory": "memory_draw", "comm_table": "comm", "show_timeline": "comm_draw", "show_comm": "comm_draw",
-    "memory_explorer": "widgets", "ring_allreduce_stepper": "widgets",
+    "show_collective": "draw.collectives", "show_sharding": "draw.sharding", "draw_mesh": "draw.sharding",
+    "show_memory": "draw.memory", "comm_table": "measure.comm", "show_timeline": "draw.comm", "show_comm": "draw.comm",
+    "memory_explorer": "draw.widgets", "ring_allreduce_stepper": "draw.widgets",
     # at scale, without the hardware (fake process group, meta tensors; labelled SIMULATED)
-    "simulate_table": "simulate", "show_simulation": "simulate",
+    "simulate_table": "measure.simulate", "show_simulation": "draw.simulation",
 }
 # Whole modules reachable as `cl.<name>`: `cl.theory.ring_all_reduce_bytes(...)`, `cl.models.toy_model()`.
-_LAZY_MODULES = ("theory", "models", "simulate")
+_LAZY_MODULES = {"theory": "theory", "models": "models", "simulate": "measure.simulate"}
 
 
 def __getattr__(name: str):
     import importlib
 
-    if name in _LAZY_MODULES:
-        value = importlib.import_module(f".{name}", __name__)
+    if name == "__version__":  # lazy too: importlib.metadata costs every rank ~10 ms at start
+        value = _installed_version()
+    elif name in _LAZY_MODULES:
+        value = importlib.import_module(f".{_LAZY_MODULES[name]}", __name__)
     elif name in _LAZY:
         value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value
     return value
+
+
+def _installed_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(__name__)
+    except PackageNotFoundError:  # run from a checkout without installing it
+        return "unknown"
 
 
 __all__ = [
@@ -78,16 +91,11 @@ __all__ = [
     "theory",
 ]
 
-__version__ = "0.1.0"
 
 
 def load_ipython_extension(ipython) -> None:
     """`%load_ext course_lib`: registers `%%torchrun`, `%dist`, `%%dist` and `%%exercise`."""
-    from .dist_magics import DistMagics
-    from .grading.magic import ExerciseMagics
-    from .magics import TorchrunMagics
+    from .magics import register
 
-    ipython.register_magics(TorchrunMagics)
-    ipython.register_magics(DistMagics)
-    ipython.register_magics(ExerciseMagics)
+    register(ipython)
 

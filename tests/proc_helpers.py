@@ -18,7 +18,7 @@ import uuid
 
 import psutil
 
-from course_lib.torchrun import LaunchResult, run_torchrun
+from course_lib.launcher.torchrun import LaunchResult, run_torchrun
 
 MARK_VAR = "COURSE_LIB_TEST_MARK"
 SAMPLE_S = 0.05  # how often the ledger records descendants during a launch

@@ -1,4 +1,4 @@
-"""course_lib.comm / comm_draw: the collective ledger as bytes per op per step, against theory and CommDebugMode.
+"""course_lib.measure.comm / comm_draw: the collective ledger as bytes per op per step, against theory and CommDebugMode.
 
 Fast tests use a hand-built ledger. The multi-rank tests launch ONE torchrun
 script per world size (2 and 4 ranks, gloo) that trains the toy model two
@@ -14,11 +14,11 @@ import warnings
 import pytest
 
 from course_lib import theory
-from course_lib.comm import canonical_op, comm_table, compare_counts, compare_with_theory, split_steps
-from course_lib.comm_draw import show_comm, show_timeline
-from course_lib.figures import png_bytes
+from course_lib.measure.comm import canonical_op, comm_table, compare_counts, compare_with_theory, split_steps
+from course_lib.draw.comm import show_comm, show_timeline
+from course_lib.draw.figures import png_bytes
 from course_lib.models import toy_model
-from course_lib.torchrun import run_torchrun
+from course_lib.launcher.torchrun import run_torchrun
 
 
 def _entry(seq, op, nbytes=0, start=0.0, end=None, is_async=False, group="world"):
@@ -142,7 +142,7 @@ def test_show_comm_data_and_render():
 SCRIPT = """
 import torch, torch.distributed as dist
 import course_lib as cl
-from course_lib.comm import comm_counts
+from course_lib.measure.comm import comm_counts
 from course_lib.models import toy_batch, toy_model
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.device_mesh import init_device_mesh

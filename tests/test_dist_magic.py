@@ -23,7 +23,7 @@ import pytest
 
 import test_magic_kernel
 from course_lib.backend_choice import choose_backend, gpu_count
-from course_lib.pool import INTERRUPT_GRACE_S
+from course_lib.launcher.pool import INTERRUPT_GRACE_S
 from proc_helpers import describe, kill_quietly, marked_processes, still_alive
 from test_magic_kernel import Cell, Kernel
 
@@ -171,10 +171,10 @@ def test_start(kernel):
     assert cell.status == "ok"
     assert lines(cell) == [STARTED]
     assert cell.text("stderr") == ""
-    ranks = [p for p in kernel.processes() if p.cmdline()[-2:] == ["-m", "course_lib.worker"]
+    ranks = [p for p in kernel.processes() if p.cmdline()[-2:] == ["-m", "course_lib.launcher.pool_worker"]
              and "torch.distributed.run" not in p.cmdline()]  # torchrun's own command line ends so too
     assert sorted(p.pid for p in ranks) == sorted(ast.literal_eval(kernel.value(
-        "from course_lib.dist_magics import current_pool\nlist(current_pool().pids.values())")))
+        "from course_lib.magics.dist_magic import current_pool\nlist(current_pool().pids.values())")))
     assert len(ranks) == 2
 
 
@@ -344,7 +344,7 @@ def test_restart_message_after_a_death_names_it(kernel):
 
 def test_ranks_that_died_between_cells_are_restarted_with_a_reason(kernel):
     assert kernel.execute("%%dist\npass").status == "ok"
-    pid = int(kernel.value("from course_lib.dist_magics import current_pool\ncurrent_pool().pids[1]"))
+    pid = int(kernel.value("from course_lib.magics.dist_magic import current_pool\ncurrent_pool().pids[1]"))
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and kernel.value("current_pool().launch.proc.poll() is None") == "True":
@@ -414,8 +414,8 @@ def test_interrupt_not_answered_inside_a_collective_kills_the_pool(kernel):
 
 
 def test_unanswered_interrupt_message_says_rank_for_one_rank():
-    from course_lib.dist_magics import _failure_message
-    from course_lib.pool import CellResult
+    from course_lib.magics.dist_magic import _failure_message
+    from course_lib.launcher.pool import CellResult
 
     result = CellResult([0, 1], {0: "", 1: ""}, {0: "", 1: ""}, {}, {}, interrupted=True, unfinished=[0])
     assert _failure_message(result, None, 60).startswith("rank 0 did not answer the interrupt")
@@ -498,7 +498,7 @@ def test_kernel_killed_while_a_pool_runs_leaves_nothing(second_kernel):
     assert lines(k.execute("%dist start -n 2", timeout_s=60)) == [STARTED]
     procs = k.cell_processes()
     assert len(procs) >= 4  # watchdog, torchrun, two ranks
-    run_dir = pathlib.Path(k.value("from course_lib.dist_magics import current_pool\nstr(current_pool().run_dir)").strip("'"))
+    run_dir = pathlib.Path(k.value("from course_lib.magics.dist_magic import current_pool\nstr(current_pool().run_dir)").strip("'"))
     assert run_dir.is_dir()
     os.kill(k.pid, signal.SIGKILL)
     assert still_alive(procs, timeout_s=10) == []

@@ -9,13 +9,12 @@ import subprocess
 import sys
 import textwrap
 
-from course_lib import procs, watchdog
-from course_lib.diagnosis import cell_line, describe_stuck, format_bytes
-from course_lib.ledger import LedgerReader, read_ledger
+from course_lib.launcher.diagnosis import cell_line, describe_stuck
+from course_lib.rank.ledger import LedgerReader, read_ledger
 
 RECORD_SCRIPT = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
-    from course_lib import ledger
+    from course_lib.rank import ledger
     ledger.install(sys.argv[1])
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     x = torch.ones(1024)
@@ -60,7 +59,7 @@ def test_ledger_records_each_call_once_with_op_shape_dtype_bytes(tmp_path):
 
 FLAT_COLLECTIVES_SCRIPT = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
-    from course_lib import ledger
+    from course_lib.rank import ledger
     ledger.install(sys.argv[1])
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     out = torch.zeros(6)
@@ -129,12 +128,3 @@ def test_cell_line_reads_the_innermost_cell_frame_of_the_main_thread():
              '  File "<cell>", line 4 in <module>\n')
     assert cell_line(stack) == 4
     assert cell_line("no frames") is None
-
-
-def test_format_bytes():
-    assert [format_bytes(n) for n in (0, 8, 1024, 4 * 2**20, 3 * 2**30)] == ["0 B", "8 B", "1 KiB", "4 MiB", "3 GiB"]
-
-
-def test_watchdog_looks_for_the_same_mark_the_launcher_sets():
-    # watchdog.py runs as a standalone file, so it repeats the name instead of importing it.
-    assert watchdog.ENV_LAUNCH_MARK == procs.ENV_LAUNCH_MARK

@@ -20,7 +20,7 @@ from IPython.core.error import UsageError
 from jupyter_client import KernelManager
 
 from course_lib.backend_choice import choose_backend, gpu_count
-from course_lib.magics import DEFAULT_TIMEOUT_S, parse_torchrun_args
+from course_lib.magics.torchrun_magic import DEFAULT_TIMEOUT_S, parse_torchrun_args
 from proc_helpers import MARK_VAR, DescendantLedger, describe, kill_quietly, marked_processes, new_mark, no_new_children, still_alive
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -207,7 +207,7 @@ def test_ok_cell_live_view_is_an_empty_display_that_ends_empty(ok_cell):
 def test_ok_cell_results_readable_in_the_next_cell(kernel, ok_cell):
     cell = kernel.execute(
         "import course_lib as cl\n"
-        "from course_lib.magics import last_result\n"
+        "from course_lib.magics.torchrun_magic import last_result\n"
         'cl.results["word"], cl.results["total"][1].tolist(), last_result().exit_codes'
     )
     assert cell.status == "ok"

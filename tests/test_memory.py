@@ -1,4 +1,4 @@
-"""course_lib.memory and memory_draw: bytes per rank through one step, measured on gloo, equal to the prediction.
+"""course_lib.measure.memory and memory_draw: bytes per rank through one step, measured on gloo, equal to the prediction.
 
 One torchrun launch per world size (2 and 4) runs toy_model() under DDP,
 ZeRO-1 (DDP + ZeroRedundancyOptimizer), FSDP1 (one unit per Block,
@@ -14,11 +14,12 @@ import warnings
 
 import pytest
 
-from course_lib import memory, theory
-from course_lib.figures import png_bytes
-from course_lib.memory_draw import STACK, show_memory
+from course_lib import theory
+from course_lib.measure import memory
+from course_lib.draw.figures import png_bytes
+from course_lib.draw.memory import STACK, show_memory
 from course_lib.models import Block, toy_model
-from course_lib.torchrun import run_torchrun
+from course_lib.launcher.torchrun import run_torchrun
 
 WORLD_SIZES = [2, 4]
 
@@ -32,7 +33,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 import course_lib as cl
-from course_lib.memory import STRATEGIES, measure_step
+from course_lib.measure.memory import STRATEGIES, measure_step
 from course_lib.models import Block, toy_batch, toy_model
 
 info = cl.init(timeout_s=60)

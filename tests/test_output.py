@@ -1,4 +1,4 @@
-"""course_lib.output: pure helpers that turn rank output and exit codes into stable text.
+"""course_lib.launcher.rank_output: pure helpers that turn rank output and exit codes into stable text.
 
 The ChildFailedError text is produced by torch's own formatter (the same code
 torchrun runs), and once by a real failing launch, so a change of format in a
@@ -11,7 +11,7 @@ import signal
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from course_lib.output import (
+from course_lib.launcher.rank_output import (
     MAX_LINES_PER_RANK,
     clean_paths,
     describe_exit,

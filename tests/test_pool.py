@@ -1,4 +1,4 @@
-"""course_lib.pool: persistent ranks at the library level, with real torchrun processes on gloo.
+"""course_lib.launcher.pool: persistent ranks at the library level, with real torchrun processes on gloo.
 
 test_dist_magic.py runs the whole fault suite through the magic (what a learner
 sees); this module checks what the magic builds on (CellResult's fields, the
@@ -34,8 +34,8 @@ from multiprocessing.connection import AuthenticationError, Client, Connection
 import psutil
 import pytest
 
-from course_lib.output import parse_torchrun_failures
-from course_lib.pool import INTERRUPT_GRACE_S, Pool, PoolError
+from course_lib.launcher.rank_output import parse_torchrun_failures
+from course_lib.launcher.pool import INTERRUPT_GRACE_S, Pool, PoolError
 from proc_helpers import MARK_VAR, describe, env_var, kill_quietly, marked_processes, new_mark, still_alive
 
 MARK = new_mark()

@@ -1,4 +1,4 @@
-"""course_lib.sharding / sharding_draw: who holds which slice, on real gloo ranks, against theory.py.
+"""course_lib.measure.sharding / sharding_draw: who holds which slice, on real gloo ranks, against theory.py.
 
 One torchrun launch per world size (2 and 4) wraps `toy_model()` with every
 strategy in turn (DDP, FSDP1, FSDP2; at 4 ranks also TP and FSDP2+TP on a
@@ -14,11 +14,11 @@ import warnings
 import pytest
 
 from course_lib import theory
-from course_lib.figures import png_bytes
+from course_lib.draw.figures import png_bytes
 from course_lib.models import toy_model
-from course_lib.sharding import check_sharding, clean_name, sharding_of
-from course_lib.sharding_draw import draw_mesh, show_sharding
-from course_lib.torchrun import run_torchrun
+from course_lib.measure.sharding import check_sharding, clean_name, sharding_of
+from course_lib.draw.sharding import draw_mesh, show_sharding
+from course_lib.launcher.torchrun import run_torchrun
 
 SCRIPT = """
 import contextlib, io
@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.nn.parallel import DistributedDataParallel as DDP
 import course_lib as cl
 from course_lib.models import Block, toy_model
-from course_lib.sharding import clean_name, print_dtensor_sharding, sharding_of
+from course_lib.measure.sharding import clean_name, print_dtensor_sharding, sharding_of
 
 info = cl.init(timeout_s=60)
 n = info.world_size

@@ -1,4 +1,4 @@
-"""course_lib.simulate: FSDP2 memory and traffic simulated on a fake process group equal a real gloo run.
+"""course_lib.measure.simulate: FSDP2 memory and traffic simulated on a fake process group equal a real gloo run.
 
 One torchrun launch per world size (2 and 4) shards a tiny Llama whose sizes
 do not divide by 4 (hidden 18, intermediate 37, vocab 101, k/v 6 rows: at 4
@@ -17,11 +17,12 @@ import warnings
 import pytest
 
 from course_lib import theory
-from course_lib.figures import png_bytes
-from course_lib.simulate import (
-    LABEL, LLAMA_CONFIGS, SimulationError, result_rows, show_simulation, simulate_fsdp2, simulate_many,
+from course_lib.draw.figures import png_bytes
+from course_lib.draw.simulation import show_simulation
+from course_lib.launcher.torchrun import run_torchrun
+from course_lib.measure.simulate import (
+    LABEL, LLAMA_CONFIGS, SimulationError, result_rows, simulate_fsdp2, simulate_many,
 )
-from course_lib.torchrun import run_torchrun
 
 TINY = dict(hidden=18, layers=2, vocab=101, intermediate=37, heads=3, kv_heads=1)
 WORLD_SIZES = [2, 4]
@@ -34,8 +35,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import LlamaForCausalLM
 import course_lib as cl
-from course_lib.simulate import llama_config, memory_of, record_fsdp_collectives, shard_llama
-from course_lib.simulate_worker import make_optimizer
+from course_lib.measure.simulate import llama_config, memory_of, record_fsdp_collectives, shard_llama
+from course_lib.measure.simulate_worker import make_optimizer
 
 info = cl.init(timeout_s=60)
 mesh = init_device_mesh("cpu", (info.world_size,))

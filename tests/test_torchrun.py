@@ -1,4 +1,4 @@
-"""course_lib.torchrun: real `torchrun --standalone` launches on gloo, 2 and 4 ranks.
+"""course_lib.launcher.torchrun: real `torchrun --standalone` launches on gloo, 2 and 4 ranks.
 
 Each launch costs seconds, so one launch per scenario is shared by the tests
 that look at it (module-scoped fixtures). Every launch goes through
@@ -12,8 +12,8 @@ import psutil
 import pytest
 import torch
 
-from course_lib.magics import report
-from course_lib.output import exit_summary, rank_block
+from course_lib.magics.torchrun_magic import report
+from course_lib.launcher.rank_output import exit_summary, rank_block
 from proc_helpers import RAISING_LINE, launch, no_new_children, raising_launch, still_alive
 
 WORLD_SIZES = [2, 4]

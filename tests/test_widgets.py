@@ -1,5 +1,5 @@
-"""Fast single-process tests of the explorers (course_lib.widgets), the ring stepper's states
-(course_lib.ring_draw) and show_collective (course_lib.collectives_draw).
+"""Fast single-process tests of the explorers (course_lib.draw.widgets), the ring stepper's states
+(course_lib.draw.ring) and show_collective (course_lib.draw.collectives).
 
     .venv/bin/pytest -p no:cacheprovider -q -o addopts="" tests/test_widgets.py
 """
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from course_lib import theory
-from course_lib.collectives_draw import show_collective
-from course_lib.figures import png_bytes
-from course_lib.ring_draw import draw_ring_state, ring_states
-from course_lib.widgets import STRATEGIES, memory_comparison, memory_explorer, ring_allreduce_stepper
+from course_lib.draw.collectives import show_collective
+from course_lib.draw.figures import png_bytes
+from course_lib.draw.ring import draw_ring_state, ring_states
+from course_lib.draw.widgets import STRATEGIES, memory_comparison, memory_explorer, ring_allreduce_stepper
 
 # Figures and widgets must build headless with no warning at all.
 pytestmark = pytest.mark.filterwarnings("error")

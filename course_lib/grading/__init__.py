@@ -8,7 +8,9 @@
 
 Modules: spec (what an exercise is), lesson01 (the exercises and their judges),
 drivers + rank_runner (on the ranks), checker (launch and judge), registry
-(public and hidden checks), cells (finding answers), report, magic, grade.
+(public and hidden checks), cells (finding answers), check (`cl.check`), report,
+grader (the CLI behind `python -m course_lib.grade`). The `%%exercise` magic is in
+course_lib/magics/exercise_magic.py.
 """
 
 from __future__ import annotations
@@ -18,6 +20,6 @@ __all__ = ["check"]
 
 def check(exercise_id: str):
     """Run `exercise_id`'s public checks on the last `%%exercise` cell of that id; print the report."""
-    from .magic import check as _check
+    from .check import check as _check
 
     return _check(exercise_id)

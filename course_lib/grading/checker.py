@@ -11,7 +11,6 @@ reason naming the rank; the next run goes on.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import pathlib
 import re
@@ -19,36 +18,14 @@ import shutil
 import signal
 import tempfile
 
-from ..torchrun import LaunchResult, run_torchrun
+from ..launcher.torchrun import LaunchResult, run_torchrun
+from . import rank_runner
 from .rank_runner import EXIT_NO_FUNCTION
-from .spec import CaseResult, Exercise, RunOutcome, RunSpec
+from .spec import CaseResult, Exercise, ItemResult, Limits, RunOutcome, RunSpec
 
-__all__ = ["ItemResult", "Limits", "check_exercise"]
+__all__ = ["check_exercise", "submission_source"]
 
 MAX_OUTPUT_CHARS = 2000  # of a rank's own prints kept in a report (Gradescope shows it)
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    """What each rank of a check may use (see rank_runner)."""
-
-    memory_bytes: int = 4 << 30  # address space; torch + gloo alone map about 0.75 GiB
-    file_bytes: int = 16 << 20  # per file written, which includes the rank's output log
-    run_timeout_s: float | None = None  # replaces every run's own deadline (slow machines, tests)
-
-
-@dataclasses.dataclass
-class ItemResult:
-    name: str
-    score: float
-    max_score: float
-    message: str = ""  # why it lost points, naming the rank and value; empty when it passed
-    output: str = ""  # what the ranks printed (trimmed), for the learner
-    hidden: bool = False
-
-    @property
-    def passed(self) -> bool:
-        return self.score == self.max_score
 
 
 def submission_source(cell_source: str) -> str:
@@ -94,7 +71,7 @@ def _check_run(exercise: Exercise, run: RunSpec, cell_source: str, limits: Limit
         work = job_dir / "work"  # the ranks' working directory: whatever they write lands here
         work.mkdir()
         launch = run_torchrun(
-            f"from course_lib.grading.rank_runner import main\nmain({str(job_dir)!r})\n",
+            f"from {rank_runner.__name__} import main\nmain({str(job_dir)!r})\n",
             run.nproc, backend="gloo", timeout_s=timeout_s, cwd=str(work),
         )
         output = _trimmed_output(launch)

@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.metadata
 import json
 import pathlib
 import sys
 
-from .. import __version__
 from .cells import exercise_cells
-from .checker import ItemResult, Limits, check_exercise
+from .checker import check_exercise
 from .gradescope import results_json, write_atomically, write_csv
 from .guard import FileGuard
 from .progress import Progress
 from .registry import UnknownExercise, exercise, exercises_of_lesson, load_hidden, public_exercises
+from .spec import ItemResult, Limits
 
 __all__ = ["grade", "main"]
 
@@ -87,9 +88,16 @@ def grade_submission(path: pathlib.Path, wanted: list[str] | None, hidden: dict,
     return graded, note
 
 
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("course_lib")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout without installing it
+        return "unknown"
+
+
 def _checks_key(hidden_dir: pathlib.Path | None, wanted: list[str] | None) -> str:
     """Identifies the checks a result was computed with (for resuming)."""
-    digest = hashlib.sha256(f"course_lib {__version__}; {wanted}".encode())
+    digest = hashlib.sha256(f"course_lib {_package_version()}; {wanted}".encode())
     if hidden_dir is not None:
         for path in sorted(hidden_dir.rglob("*.py")):
             digest.update(path.name.encode() + path.read_bytes())

@@ -12,7 +12,7 @@ import io
 import os
 import pathlib
 
-from .checker import ItemResult
+from .spec import ItemResult
 
 __all__ = ["results_json", "write_atomically", "write_csv"]
 

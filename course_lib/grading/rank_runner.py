@@ -72,7 +72,7 @@ def _block_ops(exercise_id: str, allowed: list[str]) -> None:
     import torch.distributed.distributed_c10d as c10d
     from torch._C import _distributed_c10d as cpp
 
-    from ..ledger import RECORDED_OPS
+    from ..rank.ledger import RECORDED_OPS
 
     allowed_text = ", ".join(allowed)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .checker import ItemResult
+from .spec import ItemResult
 
 __all__ = ["format_report", "item_line", "score_text"]
 

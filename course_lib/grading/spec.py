@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-__all__ = ["CaseResult", "Exercise", "Item", "RunOutcome", "RunSpec"]
+__all__ = ["CaseResult", "Exercise", "Item", "ItemResult", "Limits", "RunOutcome", "RunSpec"]
 
 
 @dataclasses.dataclass
@@ -84,3 +84,26 @@ class Exercise:
     def with_runs(self, extra: tuple[RunSpec, ...]) -> Exercise:
         """This exercise with more (hidden) runs appended."""
         return dataclasses.replace(self, runs=self.runs + tuple(extra))
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What each rank of a check may use (see rank_runner)."""
+
+    memory_bytes: int = 4 << 30  # address space; torch + gloo alone map about 0.75 GiB
+    file_bytes: int = 16 << 20  # per file written, which includes the rank's output log
+    run_timeout_s: float | None = None  # replaces every run's own deadline (slow machines, tests)
+
+
+@dataclasses.dataclass
+class ItemResult:
+    name: str
+    score: float
+    max_score: float
+    message: str = ""  # why it lost points, naming the rank and value; empty when it passed
+    output: str = ""  # what the ranks printed (trimmed), for the learner
+    hidden: bool = False
+
+    @property
+    def passed(self) -> bool:
+        return self.score == self.max_score

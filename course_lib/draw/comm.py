@@ -1,0 +1,192 @@
+"""Communication, drawn: a per-rank timeline of the collective ledger, and bytes per step vs theory.
+
+`show_timeline(ledgers)`: one lane per rank, one bar per call from its start to
+its end, coloured by op, labelled with its input bytes. A hatched bar is an
+`async_op=True` call: it "ends" when its work object is created, not when the
+transfer does, so its length says nothing about the transfer. Barriers are grey.
+
+`show_comm(table, expected)`: for each step, the bytes each op moved on one
+rank (measured, from `comm.comm_table`) beside what theory predicts.
+
+Both print a few lines, display the figure (unless `quiet=True`) and return a
+view holding the data drawn and the figure, so tests assert on what the
+learner sees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..measure.comm import CommTable, Expected, TheoryRow, canonical_op, compare_with_theory, exact_bytes
+from ..units import binary_bytes
+from .figures import new_figure, show
+
+__all__ = ["OP_COLORS", "CommView", "TimelineBar", "TimelineView", "op_color", "show_comm", "show_timeline"]
+
+# The same colour for an op in every figure; others cycle through _SPARE.
+OP_COLORS = {
+    "all_reduce": "#4c72b0", "all_gather_single": "#55a868", "all_gather": "#8fd19e",
+    "reduce_scatter_single": "#dd8452", "reduce_scatter": "#f1b383", "broadcast": "#8172b3",
+    "all_to_all_single": "#c44e52", "all_to_all": "#e39b9d", "barrier": "#b0b0b0",
+}
+_SPARE = ("#937860", "#da8bc3", "#8c8c8c", "#ccb974", "#64b5cd")
+
+
+def op_color(op: str) -> str:
+    op = canonical_op(op)
+    return OP_COLORS.get(op) or _SPARE[sum(map(ord, op)) % len(_SPARE)]
+
+
+@dataclasses.dataclass(frozen=True)
+class TimelineBar:
+    """One call on one rank; times in seconds from the view's origin. `end` None: still inside the call."""
+    rank: int
+    seq: int
+    op: str
+    group: str
+    bytes: int
+    start: float
+    end: float | None
+    is_async: bool
+
+
+@dataclasses.dataclass
+class TimelineView:
+    bars: list[TimelineBar]
+    align: str
+    origin: dict[int, float]  # per rank, the ledger time drawn as 0
+    lines: list[str]
+    fig: Any
+
+
+def _origins(ledgers: dict[int, list[dict]], align: str) -> dict[int, float]:
+    ranks = [r for r in ledgers if ledgers[r]]
+    if align == "clock":
+        # Ranks on one machine share time.monotonic() (CLOCK_MONOTONIC is system-wide on Linux).
+        first = min((ledgers[r][0]["start"] for r in ranks), default=0.0)
+        return {r: first for r in ranks}
+    if align == "first":
+        return {r: ledgers[r][0]["start"] for r in ranks}
+    if align == "barrier":
+        # Every rank leaves a barrier at (nearly) the same moment: a clock shared across machines.
+        ends = {r: next((e["end"] for e in ledgers[r] if e["op"] == "barrier" and e["end"] is not None), None)
+                for r in ranks}
+        if None in ends.values():
+            raise ValueError(f"align='barrier': ranks {[r for r, t in ends.items() if t is None]} have no barrier")
+        return ends
+    raise ValueError(f"align must be 'clock', 'first' or 'barrier', got {align!r}")
+
+
+def _of_steps(entries: list[dict], steps: set[int]) -> list[dict]:
+    """The entries of `steps`, counted as `comm.split_steps` does; a world barrier goes with the step it opens."""
+    step, kept = 0, []
+    for entry in entries:
+        if entry["op"] == "barrier" and entry["group"] == "world":
+            step += 1
+        if step in steps:
+            kept.append(entry)
+    return kept
+
+
+def show_timeline(ledgers: dict[int, list[dict]], *, steps: list[int] | None = None, align: str = "clock",
+                  labels: bool | None = None, title: str = "collectives per rank",
+                  quiet: bool = False) -> TimelineView:
+    """Draw each rank's calls on a shared time axis (ms); return a `TimelineView`.
+
+    `steps`: only the calls of these steps (cut at world barriers, as
+    `comm.split_steps` does), each with the barrier that opens it.
+    `align`: "clock" (one machine's shared monotonic clock, default), "first"
+    (each rank from its own first call drawn) or "barrier" (each rank from the
+    end of its first barrier). `labels`: bytes on each bar; default when no
+    rank has more than 30 calls drawn.
+    """
+    if steps is not None:
+        ledgers = {r: _of_steps(entries, set(steps)) for r, entries in ledgers.items()}
+    origin = _origins(ledgers, align)
+    bars = [TimelineBar(r, e["seq"], canonical_op(e["op"]), e["group"], e["bytes"], e["start"] - origin[r],
+                        None if e["end"] is None else e["end"] - origin[r], bool(e["async"]))
+            for r in sorted(origin) for e in ledgers[r]]
+    ranks = sorted(origin)
+    span = max([b.end if b.end is not None else b.start for b in bars] + [1e-6])
+    if labels is None:
+        labels = all(len(ledgers[r]) <= 30 for r in ranks)
+    fig = new_figure(8.0, 1.2 + 0.8 * max(len(ranks), 1))
+    ax = fig.add_subplot()
+    drawn: set[str] = set()
+    for bar in bars:
+        end = span if bar.end is None else bar.end
+        # A call of a few microseconds is still drawn: at least 0.3% of the axis wide.
+        width = max(end - bar.start, span * 0.003) * 1e3
+        ax.barh(bar.rank, width, left=bar.start * 1e3, height=0.5, color=op_color(bar.op), edgecolor="black",
+                linewidth=0.3, hatch="///" if bar.is_async else None,
+                label=None if bar.op in drawn else bar.op)
+        drawn.add(bar.op)
+        if labels and bar.op != "barrier":
+            # Above its bar (rank 0 is the top lane: the y axis runs downwards).
+            ax.text(bar.start * 1e3 + width / 2, bar.rank - 0.27, binary_bytes(bar.bytes, significant=3), ha="center",
+                    va="bottom", fontsize=6, rotation=60)
+    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
+    ax.set_ylim(max(ranks, default=0) + 0.6, -1.2)
+    ax.set_xlabel(f"time (ms){' from first call' if align != 'barrier' else ' from first barrier'}; "
+                  "hatched: async_op=True (ends when issued)")
+    ax.set_title(title, fontsize=10)
+    if drawn:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    calls = {r: sum(b.rank == r and b.op != "barrier" for b in bars) for r in ranks}
+    lines = [f"rank {r}: {calls[r]} call{'' if calls[r] == 1 else 's'}, "
+             f"{exact_bytes(sum(b.bytes for b in bars if b.rank == r))}" for r in ranks]
+    if not quiet:
+        print("\n".join(lines))
+        show(fig)
+    return TimelineView(bars, align, origin, lines, fig)
+
+
+def _calls(n: int) -> str:
+    return f"{n} call" + ("" if n == 1 else "s")
+
+
+@dataclasses.dataclass
+class CommView:
+    rows: list[TheoryRow]
+    lines: list[str]
+    fig: Any
+
+    @property
+    def match(self) -> bool:
+        return all(row.match for row in self.rows)
+
+
+def show_comm(table: CommTable, expected: Expected, *, rank: int = 0, steps: list[int] | None = None,
+              title: str | None = None, quiet: bool = False) -> CommView:
+    """Bars of bytes per op per step on `rank`, measured beside predicted; return a `CommView`.
+
+    `expected`: as for `compare_with_theory` ({op: bytes} or [(op, bytes), ...]).
+    """
+    rows = compare_with_theory(table, expected, ranks=[rank], steps=steps)
+    lines = [f"step {r.step} {r.op:<22} measured {exact_bytes(r.measured_bytes):>10} ({_calls(r.measured_count)})"
+             f"  predicted {exact_bytes(r.predicted_bytes):>10}"
+             + (f" ({_calls(r.predicted_count)})" if r.predicted_count is not None else "")
+             + ("" if r.match else "  MISMATCH") for r in rows]
+    from matplotlib.patches import Patch
+
+    fig = new_figure(min(14.0, max(5.5, 1.5 + 1.3 * len(rows))), 3.6)
+    ax = fig.add_subplot()
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r.measured_bytes for r in rows], width=0.4,
+           color=[op_color(r.op) for r in rows], edgecolor="black", linewidth=0.5)
+    ax.bar([x + 0.2 for x in xs], [r.predicted_bytes for r in rows], width=0.4, color="white",
+           edgecolor=[op_color(r.op) for r in rows], hatch="///", linewidth=1.0)
+    for x, r in zip(xs, rows):
+        if not r.match:
+            ax.text(x, max(r.measured_bytes, r.predicted_bytes), "≠", ha="center", va="bottom", color="red")
+    ax.set_xticks(list(xs), [f"step {r.step}\n{r.op}" for r in rows], fontsize=7)
+    ax.set_ylabel("input bytes per step")
+    ax.set_title(title or f"rank {rank}: bytes per op per step, measured vs predicted", fontsize=10)
+    ax.legend(handles=[Patch(facecolor="#999999", edgecolor="black", label="measured (ledger)"),
+                       Patch(facecolor="white", edgecolor="#555555", hatch="///", label="predicted (theory)")],
+              fontsize=7)
+    if not quiet:
+        print("\n".join(lines))
+        show(fig)
+    return CommView(rows, lines, fig)

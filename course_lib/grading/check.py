@@ -1,0 +1,54 @@
+"""`cl.check(id)`: run an exercise's public checks on the learner's last `%%exercise` cell, printing each result."""
+
+from __future__ import annotations
+
+from ..errors import OneLineError
+from .cells import remembered
+from .checker import check_exercise
+from .registry import UnknownExercise, exercise
+from .report import item_line, score_text
+from .spec import ItemResult
+
+__all__ = ["CheckError", "CheckReport", "check"]
+
+
+class CheckError(OneLineError):
+    """A one-line error in the notebook (no traceback), e.g. checking an exercise never saved."""
+
+
+class CheckReport:
+    """What `cl.check` found. It was printed as the checks ran, so it displays as nothing."""
+
+    def __init__(self, exercise_id: str, items: list[ItemResult]):
+        self.exercise_id, self.items = exercise_id, items
+        self.score = sum(i.score for i in items)
+        self.max_score = sum(i.max_score for i in items)
+
+    @property
+    def passed(self) -> bool:
+        return self.score == self.max_score
+
+    def _ipython_display_(self) -> None:
+        pass  # already printed line by line; showing it again as Out[n] would repeat it
+
+    def __repr__(self) -> str:
+        return f"CheckReport({self.exercise_id}: {score_text(self.score, self.max_score)})"
+
+
+def check(exercise_id: str) -> CheckReport:
+    """Run the public checks of `exercise_id` on its last saved `%%exercise` cell, printing each result."""
+    try:
+        found = exercise(exercise_id)
+    except UnknownExercise as exc:
+        raise CheckError(str(exc)) from None
+    source = remembered(exercise_id)
+    if source is None:
+        raise CheckError(f"{exercise_id}: run its %%exercise {exercise_id} cell first (it saves your answer)")
+    sizes = sorted({run.nproc for run in found.runs})
+    runs = f"{len(found.runs)} run{'s' if len(found.runs) != 1 else ''}"
+    print(f"{exercise_id}: {runs} on real ranks (gloo, {' and '.join(map(str, sizes))} ranks)", flush=True)
+    items = check_exercise(found, source, on_item=lambda item: print(item_line(item), flush=True))
+    report = CheckReport(exercise_id, items)
+    verdict = "all checks pass" if report.passed else "not yet"
+    print(f"{exercise_id}: {score_text(report.score, report.max_score)} points, {verdict}")
+    return report

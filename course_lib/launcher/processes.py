@@ -1,0 +1,101 @@
+"""Track and end the processes a launch started, by PID, never by name.
+
+torchrun starts each rank in a session of its own, so killing torchrun's
+process group does not reach the ranks. We therefore remember every
+descendant we have seen (psutil guards against PID reuse by checking each
+process's creation time before signalling it), and at the end also look for
+processes carrying this launch's mark: a unique value in an environment
+variable every process of the launch inherits. The mark finds what sampling
+missed, such as a helper a rank started just before it exited, which was
+then re-parented away from our tree.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+
+import psutil
+
+from ..rank.contract import ENV_LAUNCH_MARK
+
+__all__ = ["ProcessTree", "new_mark"]
+
+
+def new_mark() -> str:
+    return uuid.uuid4().hex
+
+
+class ProcessTree:
+    """Every process ever seen below one root process we started, or carrying its mark."""
+
+    def __init__(self, root_pid: int, mark: str | None = None):
+        self.root = psutil.Process(root_pid)
+        self.mark = mark
+        self.seen: dict[int, psutil.Process] = {root_pid: self.root}
+
+    def refresh(self) -> None:
+        """Record the root's current descendants (one scan of the process table).
+
+        Processes re-parented away from the tree (a rank's helper whose rank
+        died) are not found here but by `find_marked` when we kill.
+        """
+        try:
+            for child in self.root.children(recursive=True):
+                self.seen.setdefault(child.pid, child)
+        except psutil.NoSuchProcess:
+            pass
+
+    def find_marked(self) -> None:
+        """Record every living process whose environment carries this launch's mark."""
+        if self.mark is None:
+            return
+        for proc in psutil.process_iter():
+            if proc.pid in self.seen or proc.pid == os.getpid():
+                continue
+            try:
+                if proc.environ().get(ENV_LAUNCH_MARK) == self.mark:
+                    self.seen[proc.pid] = proc
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+
+    def ranks(self) -> dict[int, psutil.Process]:
+        """Living rank processes by global rank (read from each one's RANK env variable)."""
+        found: dict[int, psutil.Process] = {}
+        for proc in self.seen.values():
+            if proc is self.root:
+                continue
+            try:
+                env = proc.environ()
+                if proc.ppid() == self.root.pid and "RANK" in env:
+                    found[int(env["RANK"])] = proc
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+        return found
+
+    def alive(self) -> list[psutil.Process]:
+        out = []
+        for proc in self.seen.values():
+            try:
+                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                    out.append(proc)
+            except psutil.NoSuchProcess:
+                continue
+        return out
+
+    def kill_all(self, timeout_s: float = 5.0) -> None:
+        """SIGKILL every process seen or marked (and the rank sessions' groups), then reap."""
+        self.refresh()
+        self.find_marked()
+        for proc in self.seen.values():
+            try:
+                if not proc.is_running():  # also false when the PID now names another process
+                    continue
+                if proc is not self.root and os.getpgid(proc.pid) == proc.pid:
+                    # A rank leads its own process group: take its helpers with it.
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.kill()
+            except (psutil.NoSuchProcess, ProcessLookupError, PermissionError):
+                continue
+        psutil.wait_procs(list(self.seen.values()), timeout=timeout_s)

@@ -1,0 +1,217 @@
+"""What the ranks wrote, from torchrun's per-rank log files to deterministic, rank-ordered text.
+
+torchrun (`--log-dir DIR --redirects 3`) writes each rank's stdout and stderr
+to files (layout in `course_lib.rank.contract`). Two readers follow them:
+`LogFollower` for a one-shot launch (every rank, as the files appear) and
+`RankFdOutput` for a persistent rank, whose Python prints go over its
+connection but whose writes below Python (C++ warnings, `os.write(1, ...)`,
+subprocesses) land only in these files. We read torchrun's files rather than
+pipe the descriptors through a thread: a file keeps the last words of a rank
+that aborts (a pipe's unread bytes die with the process), and reading an
+unchanged file costs microseconds.
+
+The rest are pure functions (no processes), unit-tested directly: torchrun's
+failure summary, stable paths, `[rank N]` blocks, exit codes in words.
+"""
+
+
+from __future__ import annotations
+
+import codecs
+import pathlib
+import re
+import signal
+from typing import Any
+
+from ..rank.contract import CELL_LABEL, log_files, parse_log_path
+
+__all__ = [
+    "MAX_LINES_PER_RANK", "LogFollower", "RankFdOutput", "clean_paths", "clean_rank_text", "describe_exit",
+    "exit_summary", "parse_torchrun_failures", "rank_block", "ranks_phrase",
+]
+
+MAX_LINES_PER_RANK = 400
+
+_FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def parse_torchrun_failures(agent_output: str) -> tuple[dict[int, int], int | None]:
+    """Read torchrun's ChildFailedError summary: ({rank: exit code}, root-cause rank).
+
+    torchrun lists every rank that did not exit 0 (including those it sent
+    SIGTERM after the first failure, exit code -15) and names the first
+    observed failure as "Root Cause".
+    """
+    codes = {int(rank): int(code) for rank, code in _FAILURE.findall(agent_output)}
+    root = None
+    _, sep, after = agent_output.partition("Root Cause")
+    if sep:
+        match = _FAILURE.search(after)
+        if match:
+            root = int(match.group(1))
+    return codes, root
+
+
+def clean_paths(text: str, script_path: str, label: str = CELL_LABEL) -> str:
+    """Replace the temporary script path (it changes every run) with a stable label."""
+    return text.replace(script_path, label)
+
+
+def clean_rank_text(rank: int, text: str, script_path: str) -> str:
+    """Stable script label, and without torch's own "[rankN]: " prefix (we add "[rank N]")."""
+    return re.sub(rf"^\[rank{rank}\]: ?", "", clean_paths(text, script_path), flags=re.MULTILINE)
+
+
+def rank_block(rank: int, text: str, max_lines: int = MAX_LINES_PER_RANK) -> str:
+    """Prefix every line with `[rank N]`; keep the first and last lines of very long output."""
+    lines = text.splitlines()
+    if len(lines) > max_lines:
+        head = max_lines // 2
+        tail = max_lines - head
+        omitted = len(lines) - max_lines
+        lines = lines[:head] + [f"... {omitted} lines omitted ..."] + lines[len(lines) - tail:]
+    return "".join(f"[rank {rank}] {line}\n" for line in lines)
+
+
+def ranks_phrase(ranks: list[int]) -> str:
+    """"rank 3" or "ranks 0, 2"."""
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def describe_exit(code: int | None) -> str:
+    """0, 1, ... as is; a negative code is the signal that ended the process."""
+    if code is None:
+        return "still running, killed"
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return str(code)
+
+
+def exit_summary(exit_codes: dict[int, int | None], not_started: list[int] = ()) -> str:
+    """One line, e.g. "exit: ranks 0, 2 -> 0; rank 1 -> 1; rank 3 -> SIGTERM"."""
+    groups: dict[str, list[int]] = {}
+    for rank in sorted(exit_codes):
+        what = "not started" if rank in not_started else describe_exit(exit_codes[rank])
+        groups.setdefault(what, []).append(rank)
+    return "exit: " + "; ".join(f"{ranks_phrase(ranks)} -> {what}" for what, ranks in groups.items())
+
+
+# --- reading torchrun's log files -------------------------------------------------------------------
+
+
+class LogFollower:
+    """Follows `<log_dir>/<run id>/attempt_0/<local_rank>/{stdout,stderr}.log` as torchrun creates them."""
+
+    def __init__(self, log_dir: pathlib.Path, nproc: int):
+        self.log_dir = log_dir
+        self.nproc = nproc
+        self.files: dict[tuple[int, str], Any] = {}
+        self.decoders: dict[tuple[int, str], Any] = {}
+        self.text: dict[tuple[int, str], list[str]] = {
+            (r, s): [] for r in range(nproc) for s in ("stdout", "stderr")
+        }
+
+    def _open_new(self) -> None:
+        if len(self.files) == 2 * self.nproc:
+            return
+        for path in log_files(self.log_dir):
+            key = parse_log_path(path)
+            if key in self.text and key not in self.files:
+                self.files[key] = open(path, "rb")
+                self.decoders[key] = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def poll(self) -> list[tuple[int, str, str]]:
+        """New text since the last call, as (rank, stream, text)."""
+        self._open_new()
+        new = []
+        for key, handle in self.files.items():
+            data = handle.read()
+            if data:
+                text = self.decoders[key].decode(data)
+                if text:
+                    self.text[key].append(text)
+                    new.append((key[0], key[1], text))
+        return new
+
+    def close(self) -> None:
+        for handle in self.files.values():
+            handle.close()
+
+    def started(self) -> set[int]:
+        """Ranks torchrun has started: it creates a rank's log files as it starts the rank."""
+        return {rank for rank, _ in self.files}
+
+    def joined(self, stream: str) -> dict[int, str]:
+        return {r: "".join(self.text[(r, stream)]) for r in range(self.nproc)}
+
+
+class _Tail:
+    """One file, read incrementally; decodes UTF-8 across read boundaries."""
+
+    def __init__(self, path: pathlib.Path):
+        self.path = path
+        self.handle = None
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def skip_to_end(self) -> None:
+        if self._open():
+            self.handle.seek(0, 2)
+
+    def read(self) -> str:
+        if not self._open():
+            return ""
+        return self.decoder.decode(self.handle.read())
+
+    def _open(self) -> bool:
+        if self.handle is None:
+            try:
+                self.handle = open(self.path, "rb")  # noqa: SIM115 - kept open between cells, closed by close()
+            except FileNotFoundError:
+                return False
+        return True
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
+            self.handle = None
+
+
+class RankFdOutput:
+    """Rank `rank`'s stdout.log and stderr.log under torchrun's `log_dir`, read incrementally."""
+
+    def __init__(self, log_dir: pathlib.Path, rank: int):
+        self.log_dir, self.rank = log_dir, rank
+        self.tails: dict[str, _Tail] = {}
+
+    def _tail(self, stream: str) -> _Tail | None:
+        if stream not in self.tails:
+            # A pool has one attempt, so one file per stream.
+            paths = log_files(self.log_dir, self.rank, stream)
+            if not paths:
+                return None
+            self.tails[stream] = _Tail(paths[-1])
+        return self.tails[stream]
+
+    def skip_to_end(self) -> None:
+        """Forget what was written so far (start-up output) so that cells show only their own."""
+        for stream in ("stdout", "stderr"):
+            tail = self._tail(stream)
+            if tail is not None:
+                tail.skip_to_end()
+
+    def read(self) -> list[tuple[str, str]]:
+        """[(stream, text)] written since the previous read; empty texts left out."""
+        new = []
+        for stream in ("stdout", "stderr"):
+            tail = self._tail(stream)
+            text = tail.read() if tail is not None else ""
+            if text:
+                new.append((stream, text))
+        return new
+
+    def close(self) -> None:
+        for tail in self.tails.values():
+            tail.close()

@@ -1,0 +1,20 @@
+"""The notebook magics, the only IPython layer: `%%torchrun`, `%dist` / `%%dist`, `%%exercise`.
+
+`%load_ext course_lib` calls `register(ipython)`. Each Magics instance keeps
+its own state (the persistent pool, the last launch), nothing module-wide.
+"""
+
+from __future__ import annotations
+
+__all__ = ["register"]
+
+
+def register(ipython) -> None:
+    """Register `%%torchrun`, `%dist`/`%%dist` and `%%exercise` with this IPython shell."""
+    from .dist_magic import DistMagics
+    from .exercise_magic import ExerciseMagics
+    from .torchrun_magic import TorchrunMagics
+
+    ipython.register_magics(TorchrunMagics)
+    ipython.register_magics(DistMagics)
+    ipython.register_magics(ExerciseMagics)

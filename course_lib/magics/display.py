@@ -1,0 +1,78 @@
+"""What a multi-rank cell shows in the notebook: a live view while it runs, rank-ordered blocks after.
+
+Shared by `%%torchrun` (one-shot) and `%%dist` (persistent ranks).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from IPython.display import display
+
+from ..launcher.rank_output import rank_block
+
+__all__ = ["LiveView", "print_diagnosis", "print_rank_blocks"]
+
+LIVE_LINES = 30  # lines kept in the live view while a cell runs
+LIVE_REFRESH_S = 0.2
+
+
+class LiveView:
+    """A display that shows the latest rank lines while the cell runs, and is empty after.
+
+    It starts and ends empty so that the stored notebook (where the last
+    update wins) and nbval (which sees only the first display) agree.
+    """
+
+    def __init__(self):
+        self.handle = display({"text/plain": ""}, raw=True, display_id=True)
+        self.lines: list[str] = []
+        self.partial: dict[tuple[int, str], str] = {}
+        self.last = 0.0
+        self.dirty = False
+
+    def add(self, rank: int, stream: str, text: str) -> None:
+        buf = self.partial.get((rank, stream), "") + text
+        *complete, self.partial[(rank, stream)] = buf.split("\n")
+        self.lines.extend(f"[rank {rank}] {line}" for line in complete)
+        del self.lines[:-LIVE_LINES]
+        self.dirty = self.dirty or bool(complete)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Show new lines, at most every LIVE_REFRESH_S; called on every poll so none stays hidden."""
+        now = time.monotonic()
+        if self.dirty and now - self.last >= LIVE_REFRESH_S and self.handle is not None:
+            self.handle.update({"text/plain": "\n".join(self.lines)}, raw=True)
+            self.last = now
+            self.dirty = False
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.update({"text/plain": ""}, raw=True)
+
+
+def print_rank_blocks(stdout: dict[int, str], stderr: dict[int, str], first: int | None = None) -> None:
+    """Print stdout blocks in rank order, then stderr blocks (rank `first`, e.g. the failing one, first)."""
+    order = sorted(stderr)
+    if first is not None and first in stderr:
+        order = [first] + [r for r in order if r != first]
+    out = "".join(rank_block(r, stdout[r]) for r in sorted(stdout))
+    err = "".join(rank_block(r, stderr[r]) for r in order)
+    if out:
+        sys.stdout.write(out)
+        sys.stdout.flush()
+    if err:
+        sys.stderr.write(err)
+        sys.stderr.flush()
+
+
+def print_diagnosis(lines: list[str], stacks: dict[int, str]) -> None:
+    """Where stuck ranks were (stdout), then their Python stacks (stderr, innermost call first)."""
+    if lines:
+        print("stuck: " + "; ".join(lines))
+    for rank in sorted(stacks):
+        if stacks[rank].strip():
+            sys.stderr.write(rank_block(rank, "Python stack (most recent call first):\n" + stacks[rank]))
+    sys.stderr.flush()

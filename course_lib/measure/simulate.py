@@ -1,0 +1,240 @@
+"""Scale by simulation: FSDP2's per-rank memory and per-step traffic for real Llama sizes, on no hardware.
+
+`simulate_fsdp2("llama-70b", world_size=1024)` starts a fresh
+`python -m course_lib.measure.simulate_worker` that joins torch's *fake* process
+group as one rank of 1024 (FakeProcessGroup: every collective returns at once,
+nothing is sent), builds the model on the meta device (shapes, no storage),
+applies `fully_shard` to each decoder layer then the root as a real run does,
+and reads each parameter's local shard (`DTensor.to_local()`): exact per-rank
+bytes, padding included. The first simulated rank then runs one training
+step under FakeTensorMode (tensors with shapes and dtypes, no memory): FSDP2
+issues its real all-gathers (forward, and the backward re-gather) and
+reduce-scatters (gradients), which are recorded with their bytes, and the
+optimizer creates its state, whose local bytes are read.
+
+Never in the kernel: a fake *default* process group would make later cells
+"communicate" with nobody. Fresh subprocesses (two on a 2-core machine) share
+the configurations of a call: each imports torch and transformers once and
+re-creates the fake group for every rank it simulates. Activations are not
+simulated: they depend on the batch, not on FSDP. The results say
+"simulated" in their label and their table rows; `course_lib.draw.simulation`
+draws them under a SIMULATED title.
+
+Checked against reality in tests/test_simulate.py: the same helpers
+(`shard_llama`, `memory_of`, `record_fsdp_collectives`) run a tiny Llama with
+padded shards on 2 and 4 real gloo ranks, and every byte agrees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from . import simulate_worker
+from .simulate_worker import RESULT_MARK, llama_config, memory_of, record_fsdp_collectives, shard_llama
+
+__all__ = [
+    "GPU_BYTES", "LABEL", "LLAMA_CONFIGS", "OPTIMIZERS", "PRECISIONS", "SimulationError", "SimulationResult",
+    "llama_config", "memory_of", "record_fsdp_collectives", "result_rows", "shard_llama", "simulate_fsdp2",
+    "simulate_many", "simulate_table",
+]
+
+LABEL = "simulated (fake process group, meta tensors): no real memory or network used"
+
+# Llama-2 sizes, named as theory.llama_param_count's arguments (untied embeddings).
+LLAMA_CONFIGS: dict[str, dict[str, int]] = {
+    "llama-7b": dict(hidden=4096, layers=32, vocab=32000, intermediate=11008, heads=32, kv_heads=32),
+    "llama-70b": dict(hidden=8192, layers=80, vocab=32000, intermediate=28672, heads=64, kv_heads=8),
+}
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
+OPTIMIZERS = ("adam", "sgd", "sgd-momentum")
+GPU_BYTES = 80e9  # one H100's memory, the reference line of the figure
+
+
+class SimulationError(RuntimeError):
+    """The simulation subprocess failed or ran past its deadline; the message is one line."""
+
+
+@dataclasses.dataclass
+class SimulationResult:
+    """Per-rank bytes of one configuration, and the collectives of one training step (same on every rank)."""
+
+    label: str
+    model: str
+    config: dict
+    world_size: int
+    precision: str
+    optimizer: str
+    num_params: int
+    param_bytes: dict[int, int]  # rank -> bytes of its local parameter shards
+    grad_bytes: dict[int, int]
+    optimizer_bytes: dict[int, int]  # per-element state (Adam: exp_avg, exp_avg_sq); scalar `step` counters left out
+    stepped_ranks: list[int]  # ranks that ran the fake step; the others' grads/state follow their shard shapes
+    collectives: list[tuple[str, int, int]]  # (torch function, input bytes, output bytes) in call order
+    elapsed_s: float  # wall time of this configuration in the subprocess
+    cpu_s: float = 0.0  # its CPU time (on a busy machine, the steadier number)
+
+    def total_bytes(self, rank: int) -> int:
+        return self.param_bytes[rank] + self.grad_bytes[rank] + self.optimizer_bytes[rank]
+
+    def _input_bytes(self, kind: str) -> int:
+        return sum(nbytes for op, nbytes, _ in self.collectives if op.startswith(kind))
+
+    @property
+    def all_gather_bytes(self) -> int:
+        """Input bytes of this rank's all-gathers per step (forward + backward re-gather), as a ledger counts."""
+        return self._input_bytes("all_gather")
+
+    @property
+    def reduce_scatter_bytes(self) -> int:
+        """Input bytes of this rank's reduce-scatters per step (full-size gradients in, a shard out)."""
+        return self._input_bytes("reduce_scatter")
+
+    @property
+    def sent_bytes(self) -> int:
+        """Bytes each rank sends per step on a ring: (N-1)/N of each all-gather's output and reduce-scatter's input."""
+        from ..theory import ring_all_gather_bytes, ring_reduce_scatter_bytes
+
+        n = self.world_size
+        return round(sum(ring_all_gather_bytes(out, n) if op.startswith("all_gather") else
+                         ring_reduce_scatter_bytes(inp, n) for op, inp, out in self.collectives))
+
+
+def _job(config: dict | str, world_size: int, ranks, precision: str, optimizer: str, step_every_rank: bool) -> dict:
+    name, config = (config, LLAMA_CONFIGS[config]) if isinstance(config, str) else ("custom", dict(config))
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, not {world_size}")
+    if precision not in PRECISIONS or optimizer not in OPTIMIZERS:
+        raise ValueError(f"precision must be one of {PRECISIONS} and optimizer one of {OPTIMIZERS}")
+    wanted = range(world_size) if ranks == "all" else ranks
+    ranks = list(dict.fromkeys(r % world_size for r in wanted))  # -1 is the last rank; each rank once
+    return dict(model=name, config=config, world_size=world_size, ranks=ranks, precision=precision,
+                optimizer=optimizer, step_every_rank=step_every_rank)
+
+
+def _worker_env() -> dict[str, str]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
+               OMP_NUM_THREADS="1")  # fake tensors compute nothing: no thread pool to start
+    package_parent = str(pathlib.Path(__file__).resolve().parents[2])  # this course_lib, installed or not
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, os.environ.get("PYTHONPATH")) if p)
+    return env
+
+
+def _one_line_error(returncode: int, stderr: str) -> str:
+    # The last line of a traceback names the exception; torch prefixes a fake rank's lines with "[rankN]: ".
+    errors = [line.split("]: ", 1)[-1] for line in stderr.splitlines() if line.strip()]
+    return f"simulation failed (exit {returncode}): {errors[-1] if errors else 'no output'}"
+
+
+def _run_workers(batches: list[list[dict]], timeout_s: float) -> list[list[dict]]:
+    """Each batch in its own fresh `python -m course_lib.measure.simulate_worker`, all at once, under one deadline.
+
+    Any failure, the deadline or a Ctrl-C stops every worker; a failure becomes a one-line error.
+    """
+    procs, files = [], []
+    try:
+        for batch in batches:
+            stdin, stdout, stderr = (tempfile.TemporaryFile("w+") for _ in range(3))  # files: no pipe to fill
+            files += [stdin, stdout, stderr]
+            json.dump(batch, stdin)
+            stdin.seek(0)
+            procs.append((subprocess.Popen([sys.executable, "-m", simulate_worker.__name__], stdin=stdin,
+                                           stdout=stdout, stderr=stderr, env=_worker_env(), text=True),
+                          stdout, stderr))
+        deadline = time.monotonic() + timeout_s
+        outputs = []
+        for proc, stdout, stderr in procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise SimulationError(f"simulation did not finish within {timeout_s:g} s (stopped)") from None
+            stdout.seek(0)
+            stderr.seek(0)
+            lines = [line for line in stdout.read().splitlines() if line.startswith(RESULT_MARK)]
+            if proc.returncode != 0 or not lines:
+                raise SimulationError(_one_line_error(proc.returncode, stderr.read()))
+            outputs.append(json.loads(lines[-1][len(RESULT_MARK):]))
+        return outputs
+    finally:
+        for proc, _, _ in procs:  # nothing left running, whatever happened
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for handle in files:
+            handle.close()
+
+
+def _layers(config: dict) -> int:
+    return config.get("layers", config.get("num_hidden_layers", 32))
+
+
+def simulate_many(jobs: list[dict], *, processes: int | None = None,
+                  timeout_s: float = 120.0) -> list[SimulationResult]:
+    """Several configurations, shared among `processes` fresh subprocesses (default: 2 where 2 cores are).
+
+    Each job is a dict of `simulate_fsdp2`'s arguments. A worker imports torch and transformers once
+    (about 5 s) and then runs its jobs one after the other; the fake step costs about the number of
+    decoder layers, so jobs go, longest first, to the worker with the least work so far.
+    """
+    specs = [_job(j["config"], j["world_size"], j.get("ranks", (0, -1)), j.get("precision", "fp32"),
+                  j.get("optimizer", "adam"), j.get("step_every_rank", False)) for j in jobs]
+    processes = max(1, min(processes or min(2, os.cpu_count() or 1), len(specs)))
+    batches: list[list[int]] = [[] for _ in range(processes)]
+    for index in sorted(range(len(specs)), key=lambda i: -_layers(specs[i]["config"])):
+        min(batches, key=lambda b: sum(_layers(specs[i]["config"]) for i in b)).append(index)
+    outputs: dict[int, dict] = {}
+    for batch, outs in zip(batches, _run_workers([[specs[i] for i in b] for b in batches], timeout_s)):
+        outputs.update(zip(batch, outs))
+    results = []
+    for index, spec in enumerate(specs):
+        out = outputs[index]
+        per_rank = {key: {int(r): v for r, v in out[key].items()}  # JSON made the ranks strings
+                    for key in ("param_bytes", "grad_bytes", "optimizer_bytes")}
+        results.append(SimulationResult(
+            label=LABEL, model=spec["model"], config=spec["config"], world_size=spec["world_size"],
+            precision=spec["precision"], optimizer=spec["optimizer"], num_params=out["num_params"], **per_rank,
+            stepped_ranks=out["stepped_ranks"], collectives=[tuple(c) for c in out["collectives"]],
+            elapsed_s=out["elapsed_s"], cpu_s=out["cpu_s"]))
+    return results
+
+
+def simulate_fsdp2(config: dict | str, *, world_size: int, ranks=(0, -1), precision: str = "fp32",
+                   optimizer: str = "adam", step_every_rank: bool = False,
+                   timeout_s: float = 120.0) -> SimulationResult:
+    """Simulate FSDP2 (`fully_shard` per decoder layer, then the root) of a Llama `config` at `world_size`.
+
+    `config`: a name in LLAMA_CONFIGS or a dict (hidden, layers, vocab, intermediate, heads, kv_heads, or
+    LlamaConfig's own names). `ranks`: indices (-1 is the last rank, where the padding lands) or "all".
+    The first of them runs a fake training step (collectives, gradients, optimizer state); the others
+    only shard, their gradients and state sized like their shards, unless `step_every_rank`.
+    """
+    job = dict(config=config, world_size=world_size, ranks=ranks, precision=precision, optimizer=optimizer,
+               step_every_rank=step_every_rank)
+    return simulate_many([job], processes=1, timeout_s=timeout_s)[0]
+
+
+def result_rows(result: SimulationResult) -> list[dict]:
+    """One plain row per simulated rank: bytes of params, grads, optimizer state, and per-step traffic."""
+    return [dict(model=result.model, world_size=result.world_size, rank=rank, precision=result.precision,
+                 optimizer=result.optimizer, num_params=result.num_params, param_bytes=result.param_bytes[rank],
+                 grad_bytes=result.grad_bytes[rank], optimizer_bytes=result.optimizer_bytes[rank],
+                 total_bytes=result.total_bytes(rank), all_gather_bytes=result.all_gather_bytes,
+                 reduce_scatter_bytes=result.reduce_scatter_bytes, sent_bytes=result.sent_bytes, simulated=True)
+            for rank in sorted(result.param_bytes)]
+
+
+def simulate_table(models=("llama-7b", "llama-70b"), world_sizes=(8, 64, 1024), *, ranks=(0, -1),
+                   precision: str = "fp32", optimizer: str = "adam", processes: int | None = None,
+                   timeout_s: float = 120.0) -> list[dict]:
+    """Rows of `result_rows` for every model at every world size (see `simulate_many`)."""
+    jobs = [dict(config=model, world_size=n, ranks=ranks, precision=precision, optimizer=optimizer)
+            for model in models for n in world_sizes]
+    results = simulate_many(jobs, processes=processes, timeout_s=timeout_s)
+    return [row for result in results for row in result_rows(result)]

@@ -1,0 +1,186 @@
+"""Helpers a rank's script calls: set up the process group, print once, publish results.
+
+These run inside processes started by torchrun, whether from a `%%torchrun`
+cell or from `launch/`. The launcher passes its decisions through environment
+variables (see `contract.py`); without them (plain torchrun) the same rule
+from `course_lib.backend_choice` decides here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import faulthandler
+import os
+import pathlib
+import signal
+from typing import Any
+
+from ..backend_choice import BackendChoice, choose_backend
+from .contract import ENV_BACKEND, ENV_DEVICE, ENV_LEDGER, ENV_RESULTS_DIR, ledger_file, published_file, stacks_file
+
+__all__ = [
+    "DistInfo",
+    "backend",
+    "device",
+    "dump_stacks_on_signal",
+    "init",
+    "instrument",
+    "print0",
+    "publish",
+    "record_collectives",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class DistInfo:
+    """What a rank needs to know about itself after `init()`."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: Any  # torch.device
+
+
+def _require_torchrun() -> None:
+    missing = [name for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"{', '.join(missing)} not set: this code must run under torchrun "
+            "(a %%torchrun cell, or `torchrun --nproc-per-node 2 script.py`)"
+        )
+
+
+def _choice() -> BackendChoice:
+    if ENV_BACKEND in os.environ:
+        return BackendChoice(os.environ[ENV_BACKEND], os.environ.get(ENV_DEVICE, "cpu"), "set by the launcher")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return choose_backend(local_world)
+
+
+def backend() -> str:
+    """The backend this rank should use: "nccl" with a GPU per rank, else "gloo"."""
+    return _choice().backend
+
+
+def device() -> Any:
+    """This rank's device: `cuda:LOCAL_RANK` under NCCL, else `cpu`."""
+    import torch
+
+    if _choice().device_type == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+_stack_file: Any = None  # kept open: faulthandler writes to its descriptor from a signal handler
+
+
+def instrument() -> None:
+    """Under a notebook launcher: record collectives (rank/ledger.py) and dump stacks on SIGUSR1.
+
+    Both go to files in the launch's folder, which the kernel reads after the
+    cell, or at a deadline to say which rank is stuck where. Idempotent.
+    """
+    dump_stacks_on_signal()
+    record_collectives()
+
+
+def dump_stacks_on_signal() -> None:
+    """Under a notebook launcher: SIGUSR1 writes every thread's Python stack to the launch's folder."""
+    global _stack_file
+    results_dir = os.environ.get(ENV_RESULTS_DIR)
+    if not results_dir or _stack_file is not None or not hasattr(signal, "SIGUSR1"):
+        return
+    rank = os.environ.get("RANK", "0")
+    _stack_file = open(os.path.join(results_dir, stacks_file(rank)), "w")
+    faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
+
+
+def record_collectives() -> None:
+    """Under a notebook launcher: every torch.distributed collective goes to this rank's ledger file.
+
+    Imports torch.distributed; `course_lib.cell_hook` calls it the moment
+    torch loads it, so cells that never import course_lib are recorded too.
+    """
+    results_dir = os.environ.get(ENV_RESULTS_DIR)
+    if not results_dir or os.environ.get(ENV_LEDGER, "1") == "0":
+        return
+    from . import ledger
+
+    rank = os.environ.get("RANK", "0")
+    ledger.install(os.path.join(results_dir, ledger_file(rank)))
+
+
+def init(*, timeout_s: float = 60.0) -> DistInfo:
+    """Start the default process group with the course's backend and device.
+
+    Equivalent to `dist.init_process_group(backend, timeout=...)` plus
+    `torch.cuda.set_device(LOCAL_RANK)` under NCCL. A short timeout (default
+    60 s instead of torch's 10-30 min) makes a stuck collective fail quickly.
+    """
+    import torch
+    import torch.distributed as dist
+
+    _require_torchrun()
+    instrument()
+    choice = _choice()
+    dev = device()
+    if dev.type == "cuda":
+        # NCCL needs each process on its own GPU, chosen before the group starts.
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=choice.backend,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=dev if dev.type == "cuda" else None,
+        )
+    rank = dist.get_rank()
+    if rank == 0 and ENV_BACKEND not in os.environ:
+        # Outside a notebook cell nobody printed the header: say it here.
+        print(choice.header(dist.get_world_size()), flush=True)
+    return DistInfo(rank, dist.get_world_size(), int(os.environ["LOCAL_RANK"]), choice.backend, dev)
+
+
+def print0(*args: Any, **kwargs: Any) -> None:
+    """`print` on global rank 0 only (every rank must still run the code around it)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        kwargs.setdefault("flush", True)
+        print(*args, **kwargs)
+
+
+_publish_hook: Any = None  # set by a persistent worker (course_lib.launcher.pool_worker): values go over its connection
+
+
+def set_publish_hook(hook: Any) -> None:
+    """Make `publish(name, value)` call `hook(name, value)` instead of writing a file."""
+    global _publish_hook
+    _publish_hook = hook
+
+
+def publish(name: str, value: Any) -> None:
+    """Send `value` back to the notebook: after the cell, `cl.results[name][rank] == value`.
+
+    Outside a notebook cell (plain torchrun) there is no notebook to send to,
+    so this does nothing. Values are saved with `torch.save`, so tensors,
+    numbers, strings, lists and dicts of them all work.
+    """
+    if not name.isidentifier():
+        raise ValueError(f"publish name must be an identifier, got {name!r}")
+    if _publish_hook is not None:
+        import torch
+
+        _publish_hook(name, value.detach().cpu() if isinstance(value, torch.Tensor) else value)
+        return
+    results_dir = os.environ.get(ENV_RESULTS_DIR)
+    if not results_dir:
+        return
+    import torch
+
+    rank = int(os.environ.get("RANK", "0"))
+    target = pathlib.Path(results_dir) / published_file(name, rank)
+    tmp = target.with_suffix(".tmp")
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu()
+    torch.save(value, tmp)
+    os.replace(tmp, target)  # atomic: the kernel never reads a half-written file
