@@ -34,6 +34,8 @@ HEADER_4 = "[dist] 4 ranks, backend gloo on cpu"
 RESTARTED = re.compile(r"\[dist\] the ranks had been stopped \((.*)\); started 2 new ones: earlier variables are gone")
 STOPPED = ("the ranks were stopped; the next %%dist cell starts new ones (their variables are gone)")
 
+POOL = "get_ipython().magics_manager.registry['DistMagics'].pool"  # the kernel's pool, read in the kernel
+
 PRE = "import os, time, torch\nimport torch.distributed as dist\nimport course_lib as cl\nrank = dist.get_rank()\n"
 PRE_LINES = 4  # cell lines taken by PRE (the magic line comes before them)
 
@@ -148,6 +150,16 @@ def assert_usage_error(cell: Cell, says: str) -> None:
     pytest.param("%dist start --backend nccl", "%dist start: --backend nccl needs one GPU per rank: 2 ranks asked, 0 GPUs found",
                  marks=pytest.mark.skipif(gpu_count() > 0, reason="this machine has a GPU")),
     ("%dist start -n 2 --bogus", "%dist start: unrecognized arguments: --bogus"),
+    ("%dist start -n 2 extra", "%dist start: unrecognized arguments: extra"),
+    ("%dist -n 2", "%dist: expected start, status, restart or stop, got 'nothing'"),
+    # One parser serves both forms (for %dist?): an option of the other form is refused by name.
+    ("%dist start --timeout 5", "%dist start: --timeout is an option of %%dist cells"),
+    ("%dist status -n 4", "%dist status: -n/--nproc/--nproc-per-node is an option of %dist start"),
+    ("%dist stop --ranks 0", "%dist stop: --ranks is an option of %%dist cells"),
+    ("%%dist -n 4\nprint(1)", "%%dist: -n/--nproc/--nproc-per-node is an option of %dist start"),
+    ("%%dist --no-init\nprint(1)", "%%dist: --no-init is an option of %dist start"),
+    ("%%dist start\nprint(1)", "%%dist: unrecognized arguments: start"),
+    ('%%dist --ranks "0\nprint(1)', "%%dist: No closing quotation"),
     ("%dist restart", "%dist restart: no ranks to restart; start them with %dist start -n 2"),
     ("%%dist\nprint(1)", "%%dist: no ranks running: start them first with %dist start -n 2"),
     ("%%dist --ranks 0\nprint(1)", "%%dist: no ranks running: start them first with %dist start -n 2"),
@@ -157,6 +169,31 @@ def test_bad_input_before_start_is_one_usage_error_line(kernel, code, says):
     assert_usage_error(cell, says)
     assert cell.seen == {}  # not one process started
     assert kernel.processes() == []
+
+
+def test_help_lists_the_options_of_both_forms():
+    """What `%dist?` and `%%dist?` show: the help text magic_arguments builds from the declared options."""
+    from course_lib.magics.dist_magic import DistMagics
+
+    help_text = DistMagics.dist.__doc__
+    assert help_text.splitlines()[2:4] == [
+        "  %dist start [-n N] [--backend auto|gloo|nccl] [--no-init] | status | restart | stop",
+        "  %%dist [--ranks 0,2] [--timeout SECONDS] [--expect-failure]",
+    ]
+    for option in ("start|status|restart|stop", "-n N, --nproc N, --nproc-per-node N", "--backend", "--no-init",
+                   "--ranks <0,2>", "--timeout SECONDS", "--expect-failure"):
+        assert option in help_text
+    start_options, cell_options = help_text.split("\n%dist start:\n")[1].split("\n%%dist cells:\n")
+    assert "--no-init" in start_options and "--ranks" not in start_options
+    assert "--ranks" in cell_options and "--no-init" not in cell_options
+
+
+@pytest.mark.parametrize("code", ["%dist?", "%%dist?"])
+def test_question_mark_shows_the_options(kernel, code):
+    cell = kernel.execute(code, timeout_s=20)
+    assert cell.status == "ok" and cell.outputs == [] and len(cell.pages) == 1
+    for option in ("%dist start [-n N]", "%%dist [--ranks 0,2]", "--no-init", "--ranks", "--expect-failure"):
+        assert option in cell.pages[0]
 
 
 def test_status_before_start(kernel):
@@ -173,8 +210,7 @@ def test_start(kernel):
     assert cell.text("stderr") == ""
     ranks = [p for p in kernel.processes() if p.cmdline()[-2:] == ["-m", "course_lib.launcher.pool_worker"]
              and "torch.distributed.run" not in p.cmdline()]  # torchrun's own command line ends so too
-    assert sorted(p.pid for p in ranks) == sorted(ast.literal_eval(kernel.value(
-        "from course_lib.magics.dist_magic import current_pool\nlist(current_pool().pids.values())")))
+    assert sorted(p.pid for p in ranks) == sorted(ast.literal_eval(kernel.value(f"list({POOL}.pids.values())")))
     assert len(ranks) == 2
 
 
@@ -344,10 +380,10 @@ def test_restart_message_after_a_death_names_it(kernel):
 
 def test_ranks_that_died_between_cells_are_restarted_with_a_reason(kernel):
     assert kernel.execute("%%dist\npass").status == "ok"
-    pid = int(kernel.value("from course_lib.magics.dist_magic import current_pool\ncurrent_pool().pids[1]"))
+    pid = int(kernel.value(f"{POOL}.pids[1]"))
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and kernel.value("current_pool().launch.proc.poll() is None") == "True":
+    while time.monotonic() < deadline and kernel.value(f"{POOL}.launch.proc.poll() is None") == "True":
         time.sleep(0.1)
     cell = kernel.execute("%%dist\nprint('next', flush=True)", timeout_s=60)
     assert cell.status == "ok"
@@ -418,7 +454,7 @@ def test_unanswered_interrupt_message_says_rank_for_one_rank():
     from course_lib.launcher.pool import CellResult
 
     result = CellResult([0, 1], {0: "", 1: ""}, {0: "", 1: ""}, {}, {}, interrupted=True, unfinished=[0])
-    assert _failure_message(result, None, 60).startswith("rank 0 did not answer the interrupt")
+    assert _failure_message(result, 60).startswith("rank 0 did not answer the interrupt")
 
 
 # ---------------------------------------------------------------- status, restart, stop
@@ -498,7 +534,7 @@ def test_kernel_killed_while_a_pool_runs_leaves_nothing(second_kernel):
     assert lines(k.execute("%dist start -n 2", timeout_s=60)) == [STARTED]
     procs = k.cell_processes()
     assert len(procs) >= 4  # watchdog, torchrun, two ranks
-    run_dir = pathlib.Path(k.value("from course_lib.magics.dist_magic import current_pool\nstr(current_pool().run_dir)").strip("'"))
+    run_dir = pathlib.Path(k.value(f"str({POOL}.run_dir)").strip("'"))
     assert run_dir.is_dir()
     os.kill(k.pid, signal.SIGKILL)
     assert still_alive(procs, timeout_s=10) == []

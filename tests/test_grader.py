@@ -277,3 +277,15 @@ def test_bad_input_is_one_line(args, message):
     proc = _grade(*args, env_mark=new_mark(), timeout_s=60)
     assert proc.returncode == 2
     assert proc.stderr.startswith(message) and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_the_exercise_catalog_is_built_once_and_read_only():
+    from course_lib.grading import registry
+
+    registry.public_exercises.cache_clear()
+    for exercise_id in registry.public_exercises():
+        registry.exercise(exercise_id)
+    registry.exercises_of_lesson("01")
+    assert registry.public_exercises.cache_info().misses == 1
+    with pytest.raises(TypeError):
+        registry.public_exercises()["01.new"] = None

@@ -85,6 +85,29 @@ def test_flat_collectives_fsdp_uses_are_recorded_once(tmp_path):
     assert summary == expected
 
 
+WRAPPED_SCRIPT = textwrap.dedent("""
+    import sys, torch.distributed as dist, torch.distributed.distributed_c10d as c10d
+    from course_lib.rank import ledger
+    from course_lib.vocabulary import RECORDED_OPS
+    ledger.install(sys.argv[1])
+    ledger.install(sys.argv[1])  # idempotent: nothing wrapped twice
+    for name in RECORDED_OPS:
+        for module in (dist, c10d):
+            fn = getattr(module, name, None)
+            if fn is not None:
+                assert fn.__course_lib_ledger__ and not getattr(fn.__wrapped__, "__course_lib_ledger__", False), name
+    print(sum(hasattr(dist, name) for name in RECORDED_OPS))
+""")
+
+
+def test_install_wraps_every_recorded_op_once(tmp_path):
+    from course_lib.vocabulary import RECORDED_OPS
+
+    done = subprocess.run([sys.executable, "-c", WRAPPED_SCRIPT, str(tmp_path / "ledger.jsonl")], check=True,
+                          timeout=120, capture_output=True, text=True)
+    assert int(done.stdout) == len(RECORDED_OPS)  # this torch has every one (tests/test_vocabulary.py)
+
+
 def test_reader_parses_only_new_lines_and_waits_for_a_cut_line(tmp_path):
     path = tmp_path / "ledger.jsonl"
     reader = LedgerReader(str(path))

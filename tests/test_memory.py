@@ -20,6 +20,7 @@ from course_lib.draw.figures import png_bytes
 from course_lib.draw.memory import STACK, show_memory
 from course_lib.models import Block, toy_model
 from course_lib.launcher.torchrun import run_torchrun
+from course_lib.vocabulary import STRATEGIES, zero_stage
 
 WORLD_SIZES = [2, 4]
 
@@ -33,7 +34,8 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 import course_lib as cl
-from course_lib.measure.memory import STRATEGIES, measure_step
+from course_lib.measure.memory import measure_step
+from course_lib.vocabulary import STRATEGIES
 from course_lib.models import Block, toy_batch, toy_model
 
 info = cl.init(timeout_s=60)
@@ -168,7 +170,7 @@ def test_show_memory_draws_the_rows_it_returns(run, toy):
         view = show_memory(run.results["memory"], model=toy_model(), unit_type=Block, display=False)
         png = png_bytes(view.figure)
     assert png.startswith(b"\x89PNG")
-    assert len(view.figure.axes) == len(memory.STRATEGIES)
+    assert len(view.figure.axes) == len(STRATEGIES)
     assert view.mismatches() == []
     measured = _measured(run)
     assert len(view.rows) == len(measured) * (len(memory.PHASES) + 1) * len(STACK)
@@ -191,7 +193,7 @@ def test_prediction_without_padding_is_zeros_formula():
     shapes = [("a.weight", (8, 4)), ("a.bias", (8,)), ("b.weight", (4, 8))]
     n = sum(math.prod(s) for _, s in shapes)
     for strategy, world_size in (("ddp", 2), ("fsdp1", 2), ("fsdp2", 4), ("zero1", 1)):
-        zero = theory.zero_memory_per_rank(n, world_size, stage=memory.STAGES[strategy], precision="fp32")
+        zero = theory.zero_memory_per_rank(n, world_size, stage=zero_stage(strategy), precision="fp32")
         for rank in range(world_size):
             step = memory.predict_step(shapes, strategy=strategy, world_size=world_size, rank=rank)["phases"]["step"]
             tensors = 1 if strategy == "fsdp1" else len(shapes)  # FSDP1: one FlatParameter for the root unit

@@ -34,7 +34,7 @@ from multiprocessing.connection import AuthenticationError, Client, Connection
 import psutil
 import pytest
 
-from course_lib.launcher.rank_output import parse_torchrun_failures
+from course_lib.backend_choice import BackendChoice, BackendError
 from course_lib.launcher.pool import INTERRUPT_GRACE_S, Pool, PoolError
 from proc_helpers import MARK_VAR, describe, env_var, kill_quietly, marked_processes, new_mark, still_alive
 
@@ -209,6 +209,15 @@ def test_publish_and_ledgers(pools):
         assert all(e["end"] is not None and e["end"] >= e["start"] for e in new)
 
 
+def test_the_backend_is_decided_once():
+    """A BackendChoice (the magic's, printed in its header; a restarted pool's) is used as is; a name is decided."""
+    given = BackendChoice("gloo", "cpu", "decided by the caller")
+    assert Pool(2, given).choice is given
+    assert Pool(2, "gloo").choice == BackendChoice("gloo", "cpu", "asked for gloo")
+    with pytest.raises(BackendError, match="unknown backend"):
+        Pool(2, "mpi")
+
+
 def test_run_on_a_pool_not_started_raises():
     pool = Pool(1, "gloo", init=False)
     with pytest.raises(PoolError, match="not running"):
@@ -272,10 +281,6 @@ def test_mismatched_ops_hang_both_ranks_and_diagnosis_names_each_wait(pools):
 # ---------------------------------------------------------------- ranks that die
 
 
-def _exit_codes(result) -> dict[int, int]:
-    return parse_torchrun_failures(result.agent_output)[0]
-
-
 def test_a_cpp_abort_in_gloo_is_a_dead_rank(pools):
     """all_reduce of 1000 vs 2000 floats: gloo aborts (SIGABRT) the rank with the smaller buffer."""
     result, elapsed = run_fault(pools.get(), PRE + textwrap.dedent("""\
@@ -284,7 +289,7 @@ def test_a_cpp_abort_in_gloo_is_a_dead_rank(pools):
         """), timeout_s=20)
     assert elapsed < 5
     assert result.dead == [1] and not result.timed_out
-    assert _exit_codes(result)[1] == -6
+    assert result.exit_codes == {1: -6}  # from torchrun's failure summary: the magic need not read it
     assert "terminate called" in result.stderr[1]  # C++'s last words, from the rank's log file
     assert_next_cell_works(pools)
 
@@ -292,6 +297,7 @@ def test_a_cpp_abort_in_gloo_is_a_dead_rank(pools):
 def test_broken_says_which_rank_died(pools):
     result, _ = run_fault(pools.get(), PRE + "if rank == 1:\n    os._exit(1)\ntime.sleep(30)\n", timeout_s=20)
     assert result.dead == [1] and result.unfinished == [0] and not result.interrupted
+    assert result.exit_codes == {1: 1}  # only the rank that died: rank 0 was stopped with the pool
     assert pools.pool.broken == "rank 1 died"
 
 

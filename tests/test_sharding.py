@@ -27,11 +27,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, fully_shard
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import visualize_sharding
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 import course_lib as cl
 from course_lib.models import Block, toy_model
-from course_lib.measure.sharding import clean_name, print_dtensor_sharding, sharding_of
+from course_lib.measure.sharding import clean_name, sharding_of
 
 info = cl.init(timeout_s=60)
 n = info.world_size
@@ -82,7 +83,7 @@ if n == 4:
     publish("tp", model)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        print_dtensor_sharding(model.blocks[0].up.weight, header="blocks.0.up.weight")
+        visualize_sharding(model.blocks[0].up.weight)
     cl.publish("torch_view", out.getvalue())
 
     model = toy_model()

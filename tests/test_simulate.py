@@ -6,8 +6,9 @@ ranks the last rank holds shorter shards, one of them empty) with
 `fully_shard`, in fp32 and in bf16-mixed, runs one Adam step, and publishes
 its bytes; the ledger holds its collectives. ONE `simulate_many` call
 simulates the same configurations (every rank stepped) and Llama-2-7B at 8
-ranks; every byte must agree, and match course_lib.theory computed from the
-shapes. The table's timing lives in bench/bench_simulate.py, not here.
+ranks; every byte must agree, the collectives the simulation's ledger saw
+with those of the real ranks' ledgers, and match course_lib.theory computed
+from the shapes. The table's timing lives in bench/bench_simulate.py, not here.
 """
 
 import gc
@@ -23,11 +24,11 @@ from course_lib.launcher.torchrun import run_torchrun
 from course_lib.measure.simulate import (
     LABEL, LLAMA_CONFIGS, SimulationError, result_rows, simulate_fsdp2, simulate_many,
 )
+from course_lib.vocabulary import FSDP_ALL_GATHER_OP, FSDP_REDUCE_SCATTER_OP, canonical_op
 
 TINY = dict(hidden=18, layers=2, vocab=101, intermediate=37, heads=3, kv_heads=1)
 WORLD_SIZES = [2, 4]
 PRECISIONS = ["fp32", "bf16-mixed"]
-FSDP_OPS = (theory.FSDP_ALL_GATHER_OP, theory.FSDP_REDUCE_SCATTER_OP)
 
 SCRIPT = f"""
 import torch
@@ -35,8 +36,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import LlamaForCausalLM
 import course_lib as cl
-from course_lib.measure.simulate import llama_config, memory_of, record_fsdp_collectives, shard_llama
-from course_lib.measure.simulate_worker import make_optimizer
+from course_lib.measure.simulate_worker import llama_config, make_optimizer, memory_of, shard_llama
 
 info = cl.init(timeout_s=60)
 mesh = init_device_mesh("cpu", (info.world_size,))
@@ -50,11 +50,10 @@ for precision in {PRECISIONS!r}:
     optimizer = make_optimizer(model.parameters(), "adam")
     input_ids = torch.randint(0, {TINY["vocab"]}, (2, 8))
     dist.barrier()  # ledger marker: the step starts
-    with record_fsdp_collectives() as calls:
-        model(input_ids=input_ids, labels=input_ids).loss.backward()
-        optimizer.step()
+    model(input_ids=input_ids, labels=input_ids).loss.backward()
+    optimizer.step()
     dist.barrier()  # ledger marker: the step ended
-    cl.publish(precision.replace("-", "_"), {{"units": layers + [root], "memory": memory_of(model, optimizer), "calls": calls}})
+    cl.publish(precision.replace("-", "_"), {{"units": layers + [root], "memory": memory_of(model, optimizer)}})
 dist.destroy_process_group()
 """
 
@@ -93,9 +92,9 @@ def real(request):
 
 
 def ledger_steps(entries):
-    """The FSDP collectives (op, input bytes) between each pair of barriers: one list per step."""
+    """Every call (the course's op name, input bytes) between each pair of barriers: one list per step."""
     barriers = [i for i, e in enumerate(entries) if e["op"] == "barrier"]
-    return [[(e["op"], e["bytes"]) for e in entries[a + 1:b] if e["op"] in FSDP_OPS]
+    return [[(canonical_op(e["op"]), e["bytes"]) for e in entries[a + 1:b]]
             for a, b in zip(barriers[::2], barriers[1::2])]
 
 
@@ -112,16 +111,15 @@ def test_simulation_equals_real_fsdp2_run(real, simulated):
             measured = published["memory"]
             assert (sim.param_bytes[rank], sim.grad_bytes[rank], sim.optimizer_bytes[rank]) == (
                 measured["params"], measured["grads"], measured["optimizer"]), (precision, rank)
-            # The fake step issued exactly the real step's collectives, output bytes included ...
-            assert sim.collectives == [tuple(call) for call in published["calls"]], (precision, rank)
-            # ... and what the recorder saw is what the ledger saw.
-            assert ledger_steps(real.ledgers[rank])[step] == [(op, nbytes) for op, nbytes, _ in sim.collectives]
+            # The fake step issued exactly the real step's calls, in order, as both ranks' ledgers saw them.
+            assert sim.collectives == ledger_steps(real.ledgers[rank])[step], (precision, rank)
         # Sharded fp32 master weights in both precisions, exact from the shapes, padding included.
         assert sim.param_bytes == {r: local_bytes(units, n, r) for r in range(n)}
         assert sim.grad_bytes == sim.param_bytes  # FSDP2 keeps gradients sharded, in the fp32 of the shards
         assert sim.optimizer_bytes == {r: 2 * sim.param_bytes[r] for r in range(n)}  # Adam: exp_avg, exp_avg_sq
     fp32, mixed = simulated[0][(n, "fp32")], simulated[0][(n, "bf16-mixed")]
-    assert [(op, b) for op, b, _ in fp32.collectives] == theory.fsdp2_step_collectives(
+    assert {op for op, _ in fp32.collectives} == {FSDP_ALL_GATHER_OP, FSDP_REDUCE_SCATTER_OP}
+    assert fp32.collectives == theory.fsdp2_step_collectives(
         units, n, element_size=4, inputs_require_grad=True)  # the embedding's output needs a gradient
     # bf16-mixed all-gathers 2-byte parameters and reduce-scatters fp32 gradients (reduce_dtype).
     assert mixed.all_gather_bytes * 2 == fp32.all_gather_bytes
@@ -152,7 +150,7 @@ def test_llama_7b_on_8_ranks_is_exact_and_labelled_simulated(simulated):
     assert math.isclose(sim.param_bytes[0], 6.74e9 * 4 / 8, rel_tol=1e-3)
     # Every 7B dimension divides by 8: no padding, so ZeRO-3's formula is exact here.
     assert sim.total_bytes(7) == theory.zero_memory_per_rank(sim.num_params, 8, stage=3, precision="fp32").total
-    assert [(op, b) for op, b, _ in sim.collectives] == theory.fsdp2_step_collectives(
+    assert sim.collectives == theory.fsdp2_step_collectives(
         units, 8, element_size=4, inputs_require_grad=True)
     assert "simulated" in sim.label and "fake process group" in sim.label
     assert not dist.is_initialized()  # the fake group lived and died in the subprocess
@@ -165,9 +163,10 @@ def test_rows_and_figure_show_what_was_simulated(simulated):
     assert all(row["simulated"] for row in rows) and len(rows) == 2 + 4 + 2
     row = next(r for r in rows if r["model"] == "llama-7b" and r["rank"] == 0)
     assert row["total_bytes"] == llama.total_bytes(0)
+    # An all-gather's output is 8 inputs; a reduce-scatter's input is what the ledger records.
     assert row["sent_bytes"] == round(sum(
-        theory.ring_all_gather_bytes(out, 8) if op == theory.FSDP_ALL_GATHER_OP
-        else theory.ring_reduce_scatter_bytes(inp, 8) for op, inp, out in llama.collectives))
+        theory.ring_all_gather_bytes(8 * nbytes, 8) if op == FSDP_ALL_GATHER_OP
+        else theory.ring_reduce_scatter_bytes(nbytes, 8) for op, nbytes in llama.collectives))
     with warnings.catch_warnings():
         gc.collect()  # not a ResourceWarning for a file an earlier test left to the collector
         warnings.simplefilter("error")

@@ -14,16 +14,6 @@ from course_lib.models import toy_model
 GB = 1e9
 
 
-def test_dtype_bytes_from_names_and_dtypes():
-    names = ("float32", "fp32", "bf16", "torch.float16", "float64", "int8")
-    assert [theory.dtype_bytes(n) for n in names] == [4, 4, 2, 2, 8, 1]
-    dtypes = (torch.float32, torch.bfloat16, torch.int64, torch.float8_e4m3fn)
-    assert [theory.dtype_bytes(d) for d in dtypes] == [4, 2, 8, 1]
-    assert theory.dtype_bytes("complex64") == 8  # not in the table: asked of torch
-    with pytest.raises(ValueError):
-        theory.dtype_bytes("float33")
-
-
 def test_bytes_per_param_follows_zero_accounting():
     mixed_adam = theory.bytes_per_param(precision="bf16-mixed", optimizer="adam")
     assert (mixed_adam.params, mixed_adam.grads, mixed_adam.optimizer, mixed_adam.total) == (2, 2, 12, 16)
@@ -211,15 +201,6 @@ def test_tp_layer_comm_with_and_without_sequence_parallel():
     for phase in ("forward", "backward"):  # a ring sends the same bytes either way
         assert sum(ring[op](n, 4) for op, n in sp[phase]) == sum(ring[op](n, 4) for op, n in plain[phase])
     assert theory.tp_layer_comm(b, s, h, 1) == {"forward": [], "backward": []}
-
-
-def test_activation_bytes_follow_korthikanti():
-    s, b, h, a = 2048, 1, 12288, 96  # GPT-3 175B's layer: 5as/h = 80
-    sbh = s * b * h
-    assert theory.activation_bytes_per_layer(s, b, h, a) == sbh * (34 + 80)
-    assert theory.activation_bytes_per_layer(s, b, h, a, tp=8) == sbh * (10 + 24 / 8 + 80 / 8)
-    assert theory.activation_bytes_per_layer(s, b, h, a, tp=8, sequence_parallel=True) == sbh * (34 + 80) / 8
-    assert theory.activation_bytes_per_layer(s, b, h, a, tp=1, sequence_parallel=True) == sbh * 114
 
 
 def test_llama_param_count_known_models():

@@ -12,8 +12,11 @@ import psutil
 import pytest
 import torch
 
-from course_lib.magics.torchrun_magic import report
+from course_lib.backend_choice import BackendChoice
 from course_lib.launcher.rank_output import exit_summary, rank_block
+from course_lib.magics.args import RankFailure
+from course_lib.magics.cell_end import finish
+from course_lib.magics.torchrun_magic import cell_end
 from proc_helpers import RAISING_LINE, launch, no_new_children, raising_launch, still_alive
 
 WORLD_SIZES = [2, 4]
@@ -93,9 +96,9 @@ def test_ok_live_output_adds_up_to_the_final_output(ok_run):
         assert _live_text(ok_run, r, "stderr") == ok_run.result.stderr[r]
 
 
-def test_ok_report_prints_rank_blocks_in_rank_order(ok_run, capsys):
+def test_ok_cell_end_prints_rank_blocks_in_rank_order(ok_run, capsys):
     result = ok_run.result
-    report(result)
+    finish(cell_end(result, 90), expect_failure=False)  # what %%torchrun shows after its header
     out, err = capsys.readouterr()
     assert out == "".join(rank_block(r, result.stdout[r]) for r in range(result.nproc))
     assert err == ""
@@ -166,13 +169,19 @@ def test_raise_traceback_names_the_cell_not_the_temp_file(raise_run):
     assert all(result.stdout[r] == f"rank {r} ready\n" for r in range(result.nproc))
 
 
-def test_raise_report_puts_the_failing_rank_first_and_summarises(raise_run, capsys):
+def test_raise_cell_end_puts_the_failing_rank_first_and_summarises(raise_run, capsys):
     result = raise_run.result
     bad = result.nproc - 1
-    report(result)
+    with pytest.raises(RankFailure, match=rf"^rank {bad} failed with exit code 1: ValueError: rank {bad} gives up$"):
+        finish(cell_end(result, 90), expect_failure=False)
     out, err = capsys.readouterr()
     assert err.startswith(f"[rank {bad}] Traceback") or err.startswith(f"[rank {bad}] [rank{bad}]: Traceback")
     assert out.splitlines()[-1] == exit_summary(result.exit_codes)
+    finish(cell_end(result, 90), expect_failure=True)  # a lesson's failure on purpose: said, not raised
+    assert capsys.readouterr().out.splitlines()[-2:] == [
+        exit_summary(result.exit_codes),
+        f"as expected, rank {bad} failed with exit code 1: ValueError: rank {bad} gives up",
+    ]
 
 
 def test_raise_no_process_left(raise_run):
@@ -353,6 +362,8 @@ def test_cell_without_cl_init_is_recorded_and_diagnosed():
 def test_future_import_cell_still_runs():
     # `from __future__` must be a file's first statement, so such a script gets
     # no hook line (and no ledger unless it calls cl.init()); it must still run.
+    # The backend is a BackendChoice made by the caller (as %%torchrun does): used as is.
+    choice = BackendChoice("gloo", "cpu", "decided by the caller")
     run = launch(
         """from __future__ import annotations
         import torch.distributed as dist
@@ -361,8 +372,10 @@ def test_future_import_cell_still_runs():
         print("ok", flush=True)
         """.replace("\n        ", "\n"),
         2,
+        backend=choice,
     )
     assert run.result.ok, run.result.stderr
+    assert run.result.choice is choice
     assert run.result.stdout == {0: "ok\n", 1: "ok\n"}
     assert run.result.ledgers in ({}, {0: [], 1: []})
     _assert_nothing_left(run)

@@ -17,7 +17,8 @@ from course_lib import theory
 from course_lib.draw.collectives import show_collective
 from course_lib.draw.figures import png_bytes
 from course_lib.draw.ring import draw_ring_state, ring_states
-from course_lib.draw.widgets import STRATEGIES, memory_comparison, memory_explorer, ring_allreduce_stepper
+from course_lib.draw.widgets import memory_comparison, memory_explorer, ring_allreduce_stepper
+from course_lib.vocabulary import STAGE_LABELS
 
 # Figures and widgets must build headless with no warning at all.
 pytestmark = pytest.mark.filterwarnings("error")
@@ -74,7 +75,7 @@ def test_memory_explorer_controls_update_data_and_image():
 def test_memory_comparison_follows_theory_and_zero_paper():
     n, world = 1_300_000_000, 16
     data = memory_comparison(n, world, precision="bf16-mixed", optimizer="adam")
-    for label, stage in STRATEGIES:
+    for stage, label in enumerate(STAGE_LABELS):
         expected = theory.zero_memory_per_rank(n, world, stage=stage, precision="bf16-mixed", optimizer="adam")
         assert data["memory"][label]["total"] == expected.total
     grad_bytes = n * theory.bytes_per_param(precision="bf16-mixed", optimizer="adam").grads

@@ -20,17 +20,11 @@ import dataclasses
 import math
 from typing import Any
 
+from ..vocabulary import DATA_FLOWS, data_flow
 from .figures import new_figure, rank_color, show
 
 __all__ = ["CollectiveView", "draw_cell", "format_values", "show_collective"]
 
-# Op names as torch spells them, mapped to the eight whose data flow we know.
-_ALIASES = {
-    "allreduce": "all_reduce", "all_gather_into_tensor": "all_gather", "allgather": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all",
-    "alltoall": "all_to_all", "reducescatter": "reduce_scatter",
-}
-_KNOWN = ("broadcast", "all_reduce", "reduce", "all_gather", "gather", "scatter", "reduce_scatter", "all_to_all")
 _UNKNOWN_COLOR = "#e0e0e0"
 
 Source = tuple[int, int]  # (rank, index in that rank's flattened "before")
@@ -122,7 +116,7 @@ def _provenance(op: str, ranks: list[int], before: dict, after: dict, root: int 
     own = {r: [[(r, i)] for i in range(len(after[r]))] if after[r] == before[r] else None for r in ranks}
     unknown = {r: [None] * len(after[r]) for r in ranks}
     lens_b = {len(before[r]) for r in ranks}
-    if op not in _KNOWN:
+    if op not in DATA_FLOWS:
         return unknown, root
     n_before = next(iter(lens_b)) if len(lens_b) == 1 else None
     n_after = len(after[ranks[0]])
@@ -254,7 +248,7 @@ def show_collective(op: str, before: dict[int, Any], after: dict[int, Any], *, t
         raise ValueError(f"show_collective: before has ranks {sorted(before)}, after has ranks {sorted(after)}; "
                          "they must be the same, non-empty")
     name = op.lower().replace("-", "_").replace("dist.", "")
-    name = _ALIASES.get(name, name)
+    name = data_flow(name) or name  # any spelling of a call (all_gather_into_tensor) -> its data flow (all_gather)
     ranks = sorted(before)
     flat_before = {r: _flatten(before[r]) for r in ranks}
     flat_after = {r: _flatten(after[r]) for r in ranks}

@@ -18,13 +18,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..measure.comm import CommTable, Expected, TheoryRow, canonical_op, compare_with_theory, exact_bytes
+from ..measure.comm import CommTable, Expected, TheoryRow, compare_with_theory, exact_bytes
 from ..units import binary_bytes
+from ..vocabulary import canonical_op
 from .figures import new_figure, show
 
 __all__ = ["OP_COLORS", "CommView", "TimelineBar", "TimelineView", "op_color", "show_comm", "show_timeline"]
 
-# The same colour for an op in every figure; others cycle through _SPARE.
+# The same colour for an op in every figure, keyed by the course's names (vocabulary.canonical_op:
+# tests/test_vocabulary.py checks every key is one); others cycle through _SPARE.
 OP_COLORS = {
     "all_reduce": "#4c72b0", "all_gather_single": "#55a868", "all_gather": "#8fd19e",
     "reduce_scatter_single": "#dd8452", "reduce_scatter": "#f1b383", "broadcast": "#8172b3",

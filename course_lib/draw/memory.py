@@ -20,7 +20,8 @@ import dataclasses
 from typing import Any
 
 from .figures import CATEGORY_COLORS, new_figure, show
-from ..measure.memory import EXACT, PHASES, STRATEGIES, named_shapes, predict_step, unit_prefixes
+from ..measure.memory import EXACT, PHASES, named_shapes, predict_step, unit_prefixes
+from ..vocabulary import STRATEGIES
 
 __all__ = ["MemoryRow", "MemoryView", "show_memory"]
 

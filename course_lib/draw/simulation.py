@@ -53,7 +53,7 @@ def show_simulation(rows: list[dict], *, gpu_bytes: float = GPU_BYTES) -> tuple[
         model, which = name.rsplit(", ", 1)
         memory_ax.plot(*zip(*points), "-" if which == "first rank" else "--", marker="o",
                        color=f"C{models.index(model)}", label=name)
-    memory_ax.axhline(gpu_bytes, color="grey", linestyle=":", label=f"{gpu_bytes / 1e9:g} GB: one H100")
+    memory_ax.axhline(gpu_bytes, color="grey", linestyle=":", label=f"{decimal_bytes(gpu_bytes)}: one H100")
     for model, points in data["sent"].items():
         sent_ax.plot(*zip(*points), "-", marker="o", color=f"C{models.index(model)}", label=model)
     world_sizes = sorted({row["world_size"] for row in rows})

@@ -22,14 +22,13 @@ from typing import Any, Callable
 
 import ipywidgets as widgets
 
+from ..measure.simulate import GPU_BYTES
+from ..units import decimal_bytes
+from ..vocabulary import OPTIMIZERS, PRECISIONS, STAGE_LABELS, zero_stage
 from .figures import CATEGORY_COLORS, new_figure, png_bytes
 
 __all__ = ["StaticFallbackBox", "memory_comparison", "memory_explorer", "ring_allreduce_stepper"]
 
-# (label, ZeRO stage): stage 0 is DDP, stage 3 is FSDP FULL_SHARD / FSDP2.
-STRATEGIES = (("DDP", 0), ("ZeRO-1", 1), ("ZeRO-2", 2), ("ZeRO-3/FSDP", 3))
-_STRATEGY_NAMES = {"ddp": 0, "zero1": 1, "zero-1": 1, "zero2": 2, "zero-2": 2, "zero3": 3, "zero-3": 3, "fsdp": 3,
-                   "zero-3/fsdp": 3}
 MODEL_PRESETS = (("125M", 125_000_000), ("1.3B", 1_300_000_000), ("7B", 7_000_000_000),
                  ("13B", 13_000_000_000), ("70B", 70_000_000_000))
 WORLD_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -77,7 +76,7 @@ def _human(n: float) -> str:
 
 def memory_comparison(num_params: int, world_size: int, *, precision: str = "bf16-mixed",
                       optimizer: str = "adam") -> dict:
-    """Per-rank bytes of model state and bytes sent per training step, for every strategy in `STRATEGIES`.
+    """Per-rank bytes of model state and bytes sent per training step, for every ZeRO stage (`STAGE_LABELS`).
 
     Memory: `theory.zero_memory_per_rank` (no activations, no padding); traffic:
     `theory.zero_step_sent_bytes` (ring collectives; ZeRO-3 sends 1.5x DDP).
@@ -87,7 +86,7 @@ def memory_comparison(num_params: int, world_size: int, *, precision: str = "bf1
     per = theory.bytes_per_param(precision=precision, optimizer=optimizer)
     weights, grads = num_params * per.params, num_params * per.grads
     memory, comm = {}, {}
-    for label, stage in STRATEGIES:
+    for stage, label in enumerate(STAGE_LABELS):
         m = theory.zero_memory_per_rank(num_params, world_size, stage=stage, precision=precision, optimizer=optimizer)
         memory[label] = {"params": m.params, "grads": m.grads, "optimizer": m.optimizer, "total": m.total}
         comm[label] = theory.zero_step_sent_bytes(weights, grads, world_size, stage=stage)
@@ -102,7 +101,7 @@ def _unit(largest: float) -> tuple[float, str]:
 
 def _memory_view(*, model: int, world_size: int, strategy: int, precision: str, optimizer: str):
     data = memory_comparison(model, world_size, precision=precision, optimizer=optimizer)
-    chosen = dict((stage, label) for label, stage in STRATEGIES)[strategy]
+    chosen = STAGE_LABELS[strategy]
     data.update(strategy=chosen, stage=strategy)
     scale, unit = _unit(max(m["total"] for m in data["memory"].values()))
     bpp = data["bytes_per_param"]
@@ -110,7 +109,7 @@ def _memory_view(*, model: int, world_size: int, strategy: int, precision: str, 
              f"{sum(bpp.values())} bytes per parameter ({bpp['params']} + {bpp['grads']} + {bpp['optimizer']})",
              f"{'strategy':<12}{'params':>10}{'grads':>10}{'optimizer':>11}{'total':>10}{'sent/step':>11}"
              f"  ({unit} per rank)"]
-    for label, _ in STRATEGIES:
+    for label in STAGE_LABELS:
         m = data["memory"][label]
         cells = [m["params"], m["grads"], m["optimizer"], m["total"], data["comm_total"][label]]
         lines.append(f"{label:<12}" + "".join(f"{v / scale:>{w}.4g}" for v, w in zip(cells, (10, 10, 11, 10, 11)))
@@ -123,7 +122,7 @@ def _draw_memory(data: dict, scale: float, unit: str) -> Any:
 
     fig = new_figure(10.0, 4.0)
     ax_mem, ax_comm = fig.subplots(1, 2)
-    labels = [label for label, _ in STRATEGIES]
+    labels = list(STAGE_LABELS)
     for x, label in enumerate(labels):
         style = dict(edgecolor="black", lw=1.5) if label == data["strategy"] else dict(alpha=0.4, lw=0)
         bottom = 0.0
@@ -139,8 +138,8 @@ def _draw_memory(data: dict, scale: float, unit: str) -> Any:
             bottom += height
         ax_comm.text(x, bottom, f"{bottom:.3g}", ha="center", va="bottom", fontsize=8)
     if unit == "GB" and max(m["total"] for m in data["memory"].values()) >= 20e9:
-        ax_mem.axhline(80, color="black", ls="--", lw=0.8)  # one H100's memory, for scale
-        ax_mem.text(3.45, 80, "80 GB", ha="right", va="bottom", fontsize=7)
+        ax_mem.axhline(GPU_BYTES / scale, color="black", ls="--", lw=0.8)  # one H100's memory, for scale
+        ax_mem.text(3.45, GPU_BYTES / scale, decimal_bytes(GPU_BYTES), ha="right", va="bottom", fontsize=7)
     keys = ({"parameters": CATEGORY_COLORS["parameters"], "gradients": CATEGORY_COLORS["gradients"],
              "optimizer": CATEGORY_COLORS["optimizer"]}, _OP_COLORS)
     titles = (f"model state per rank ({unit})", f"sent per rank per step ({unit}), ring")
@@ -160,12 +159,11 @@ def memory_explorer(*, num_params: float = 7e9, world_size: int = 8, strategy: s
                     precision: str = "bf16-mixed", optimizer: str = "adam") -> StaticFallbackBox:
     """Sliders for model size, world size, strategy, precision, optimizer; bars of memory and traffic per rank.
 
-    `strategy`: "ddp", "zero1", "zero2", "zero3" or "fsdp". `.data` is `memory_comparison(...)`
-    plus the chosen strategy; `.text` the table that nbval compares.
+    `strategy`: a name in `vocabulary.ZERO_STAGES` ("ddp", "zero1", "zero2", "zero3", "fsdp", ...) or
+    a label ("ZeRO-2"). `.data` is `memory_comparison(...)` plus the chosen strategy; `.text` the table
+    that nbval compares.
     """
-    stage = _STRATEGY_NAMES.get(strategy.lower().replace("_", "-"))
-    if stage is None:
-        raise ValueError(f"strategy must be one of {sorted(_STRATEGY_NAMES)}, not {strategy!r}")
+    stage = zero_stage(strategy)
     presets = dict((value, label) for label, value in MODEL_PRESETS)
     presets.setdefault(int(num_params), _human(num_params))
     sizes = sorted(set(WORLD_SIZES) | {int(world_size)})
@@ -173,12 +171,10 @@ def memory_explorer(*, num_params: float = 7e9, world_size: int = 8, strategy: s
         "model": widgets.Dropdown(options=[(label, v) for v, label in sorted(presets.items())], value=int(num_params),
                                   description="model"),
         "world_size": widgets.SelectionSlider(options=sizes, value=int(world_size), description="ranks"),
-        "strategy": widgets.ToggleButtons(options=[(label, s) for label, s in STRATEGIES], value=stage,
+        "strategy": widgets.ToggleButtons(options=[(label, s) for s, label in enumerate(STAGE_LABELS)], value=stage,
                                           style={"button_width": "90px"}),
-        "precision": widgets.Dropdown(options=["fp32", "bf16-mixed", "fp16-mixed"], value=precision,
-                                      description="precision"),
-        "optimizer": widgets.Dropdown(options=["adam", "sgd-momentum", "sgd"], value=optimizer,
-                                      description="optimizer"),
+        "precision": widgets.Dropdown(options=list(PRECISIONS), value=precision, description="precision"),
+        "optimizer": widgets.Dropdown(options=list(OPTIMIZERS), value=optimizer, description="optimizer"),
     }
     return StaticFallbackBox(controls, _memory_view)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["describe_bytes", "first_difference", "ops_called", "bytes_sent"]
+from ..vocabulary import SENDS
 
-P2P_SENDS = ("send", "isend")
+__all__ = ["first_difference", "ops_called", "bytes_sent"]
 
 
 def first_difference(got: Any, expected: Any) -> str:
@@ -34,8 +34,4 @@ def ops_called(ledger: list[dict]) -> list[str]:
 
 def bytes_sent(ledger: list[dict]) -> int:
     """Bytes this rank handed to send/isend (batch_isend_irecv's are not recorded by the ledger)."""
-    return sum(entry["bytes"] for entry in ledger if entry["op"] in P2P_SENDS)
-
-
-def describe_bytes(n: float) -> str:
-    return f"{n:g} B" if n < 1024 else f"{n / 1024:.1f} KiB"
+    return sum(entry["bytes"] for entry in ledger if entry["op"] in SENDS)

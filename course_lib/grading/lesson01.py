@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import math
 
-from .compare import bytes_sent, describe_bytes, first_difference, ops_called
+from ..units import binary_bytes
+from ..vocabulary import RECEIVES, SENDS
+from .compare import bytes_sent, first_difference, ops_called
 from .spec import Exercise, Item, RunOutcome, RunSpec
 
 __all__ = ["EXERCISES"]
 
-P2P_OPS = frozenset({"send", "recv", "isend", "irecv"})
+P2P_OPS = frozenset(SENDS + RECEIVES)
 
 
 def _integer_tensors(nproc: int, shapes: list[tuple], seed: int, dtype=None) -> list[dict[int, tuple]]:
@@ -60,8 +62,9 @@ def _sent_too_little(outcome: RunOutcome, case: int, rank: int) -> str:
     sent = bytes_sent(outcome.results[case][rank].ledger)
     if sent >= size:
         return ""
-    return (f"rank {rank}, {_case_label(outcome, case)}: sent only {describe_bytes(sent)} of a "
-            f"{describe_bytes(size)} tensor with send/isend, so its values cannot all have reached the other ranks")
+    return (f"rank {rank}, {_case_label(outcome, case)}: sent only {binary_bytes(sent, significant=3)} of a "
+            f"{binary_bytes(size, significant=3)} tensor with send/isend, so its values cannot all have reached "
+            "the other ranks")
 
 
 def _ring_sums(cases: range | None = None):
@@ -110,9 +113,10 @@ def _ring_bandwidth(outcome: RunOutcome) -> list[str]:
                 return [too_little]
             sent = bytes_sent(result.ledger)
             if sent > bound:
-                return [f"rank {rank}, {_case_label(outcome, case)}: sent {describe_bytes(sent)} for a "
-                        f"{describe_bytes(size)} tensor; a ring over {n} chunks sends at most "
-                        f"{describe_bytes(bound)} (2(N-1)/N of it); are you passing the whole tensor around?"]
+                return [f"rank {rank}, {_case_label(outcome, case)}: sent {binary_bytes(sent, significant=3)} for a "
+                        f"{binary_bytes(size, significant=3)} tensor; a ring over {n} chunks sends at most "
+                        f"{binary_bytes(bound, significant=3)} (2(N-1)/N of it); are you passing the whole "
+                        "tensor around?"]
     return []
 
 
@@ -122,7 +126,7 @@ RING = Exercise(
     signature="ring_allreduce(tensor: torch.Tensor) -> None",
     driver="in_place",
     allowed_ops=P2P_OPS,
-    required_ops=frozenset({"send", "isend"}),
+    required_ops=frozenset(SENDS),
     runs=(
         RunSpec(2, lambda n: (_integer_tensors(n, [(10,), (3, 4)], seed=101)
                               + _integer_tensors(n, [(5,)], seed=103, dtype=_int64())),

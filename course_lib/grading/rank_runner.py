@@ -49,30 +49,19 @@ def _apply_limits(job: dict) -> None:
     _limit(resource.RLIMIT_FSIZE, int(job["file_bytes"]))
 
 
-# The C++ ProcessGroup/Backend methods behind each Python call (the Python functions call these,
-# and so could a learner, bypassing dist.*): blocked too, except those an allowed call needs.
-_PG_METHODS = (
-    "allreduce", "allreduce_coalesced", "allgather", "_allgather_base", "allgather_coalesced",
-    "allgather_into_tensor_coalesced", "all_gather_single", "all_gather_single_coalesced",
-    "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "reduce_scatter_single",
-    "reduce_scatter_single_coalesced", "alltoall", "alltoall_base", "all_to_all_single", "broadcast",
-    "reduce", "gather", "scatter", "barrier", "monitored_barrier", "send", "recv", "recv_anysource",
-)
-_PG_METHODS_OF = {"send": {"send"}, "isend": {"send"}, "recv": {"recv", "recv_anysource"},
-                  "irecv": {"recv", "recv_anysource"}, "broadcast": {"broadcast"}}
-
-
 def _block_ops(exercise_id: str, allowed: list[str]) -> None:
     """Replace each torch.distributed call the exercise does not allow by one that says so.
 
-    Covers `dist.*`, `distributed_c10d.*` and the C++ group methods; not torch.ops.c10d.*
-    (dispatcher ops), which the checker's ledger rules catch instead (checker.py).
+    Covers `dist.*`, `distributed_c10d.*` and the C++ group methods behind them
+    (`vocabulary.PROCESS_GROUP_METHODS`: a learner could call those directly), except
+    the methods an allowed call needs; not torch.ops.c10d.* (dispatcher ops), which
+    the checker's ledger rules catch instead (checker.py).
     """
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
     from torch._C import _distributed_c10d as cpp
 
-    from ..rank.ledger import RECORDED_OPS
+    from ..vocabulary import PROCESS_GROUP_METHODS, RECORDED_OPS, process_group_methods
 
     allowed_text = ", ".join(allowed)
 
@@ -87,9 +76,9 @@ def _block_ops(exercise_id: str, allowed: list[str]) -> None:
             setattr(c10d, name, refusal(f"dist.{name}"))
             if hasattr(dist, name):
                 setattr(dist, name, refusal(f"dist.{name}"))
-    needed = set().union(*(_PG_METHODS_OF.get(name, set()) for name in allowed))
+    needed = {method for name in allowed for method in process_group_methods(name)}
     for cls in (cpp.ProcessGroup, cpp.Backend):
-        for method in _PG_METHODS:
+        for method in (m for methods in PROCESS_GROUP_METHODS.values() for m in methods):
             if method not in needed and hasattr(cls, method):
                 setattr(cls, method, refusal(f"ProcessGroup.{method}"))
 

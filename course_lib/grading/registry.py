@@ -12,8 +12,10 @@ nothing from them reaches a learner's ranks except the inputs of their cases.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import pathlib
+import types
 
 from .spec import Exercise, RunSpec
 
@@ -25,10 +27,12 @@ class UnknownExercise(KeyError):
         return self.args[0]
 
 
-def public_exercises() -> dict[str, Exercise]:
+@functools.cache
+def public_exercises() -> types.MappingProxyType:
+    """{id: Exercise} of every lesson, built once per process (read-only: shared by every lookup)."""
     from . import lesson01
 
-    return dict(lesson01.EXERCISES)
+    return types.MappingProxyType(dict(lesson01.EXERCISES))
 
 
 def load_hidden(directory: str | pathlib.Path) -> dict[str, tuple[RunSpec, ...]]:

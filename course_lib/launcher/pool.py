@@ -8,7 +8,8 @@ kernel waits on the connections themselves (`multiprocessing.connection.wait`),
 so a trivial cell costs one round trip, not a polling interval.
 
 A deadline, an interrupt that the ranks do not answer, or a dead rank leaves
-the pool broken: every process is killed by PID and `Pool.broken` says why.
+the pool broken: every process is killed by PID and `Pool.broken` says why;
+the cell's result has each dead rank's exit code, read from torchrun's output.
 """
 
 from __future__ import annotations
@@ -26,14 +27,14 @@ import time
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge, wait
 from typing import Any, Callable
 
-from ..backend_choice import BackendChoice, choose_backend
+from ..backend_choice import BackendChoice
 from ..rank.contract import ENV_POOL_ADDRESS, ENV_POOL_INIT, ENV_POOL_KEYFILE, ledger_file, log_files
 from ..rank.ledger import LedgerReader
 from . import pool_worker
 from .diagnosis import collect, describe_stuck
 from .messages import receive, send
-from .rank_output import RankFdOutput
-from .torchrun import TorchrunProcess
+from .rank_output import RankFdOutput, parse_torchrun_failures
+from .torchrun import TorchrunProcess, resolve_backend
 
 __all__ = ["CellResult", "Pool", "PoolError"]
 
@@ -58,11 +59,11 @@ class CellResult:
     interrupted: bool = False
     unfinished: list[int] = dataclasses.field(default_factory=list)  # ranks that never reported back
     dead: list[int] = dataclasses.field(default_factory=list)  # ranks whose process ended during the cell
-    elapsed_s: float = 0.0
+    # Each dead rank's exit code as torchrun reported it (negative: the signal); None if it did not say.
+    exit_codes: dict[int, int | None] = dataclasses.field(default_factory=dict)
     ledgers: dict[int, list[dict]] = dataclasses.field(default_factory=dict)  # every rank's ledger so far
     stacks: dict[int, str] = dataclasses.field(default_factory=dict)  # Python stacks of ranks that never reported
     diagnosis: list[str] = dataclasses.field(default_factory=list)  # who was stuck where
-    agent_output: str = ""  # torchrun's own output, kept when the pool broke
 
     @property
     def ok(self) -> bool:
@@ -72,10 +73,11 @@ class CellResult:
 class Pool:
     """N persistent ranks. `start()`, then `run(source)` any number of times, then `stop()`."""
 
-    def __init__(self, nproc: int, backend: str = "auto", *, init: bool = True, cwd: str | None = None):
+    def __init__(self, nproc: int, backend: str | BackendChoice = "auto", *, init: bool = True,
+                 cwd: str | None = None):
         self.nproc = nproc
-        self.choice: BackendChoice = choose_backend(nproc, backend)
-        self.backend = backend
+        # Decided once: a restart passes this choice to the next pool (see launcher.torchrun.resolve_backend).
+        self.choice: BackendChoice = resolve_backend(nproc, backend)
         self.init = init
         self.cwd = cwd
         self.conns: dict[int, Connection] = {}
@@ -295,12 +297,14 @@ class Pool:
         # The rest of what ranks wrote below Python, e.g. the C++ message of a rank that aborted.
         self._forward_fd_output(result, on_output)
         if result.timed_out or result.unfinished or result.dead:
-            result.agent_output = self.launch.agent_output()
+            launch = self.launch
             reason = ("deadline" if result.timed_out else f"rank {result.dead[0]} died" if result.dead
                       else "interrupt not answered")
-            self.kill()
+            self.kill()  # also waits for torchrun's output to be read to its end
             self.broken = reason
-        result.elapsed_s = time.monotonic() - started
+            if result.dead:
+                codes, _ = parse_torchrun_failures(launch.agent_output())
+                result.exit_codes = {r: codes.get(r) for r in result.dead}
         return result
 
     def _collect(self, cell_id, pending, deadline, result, on_output, on_poll) -> None:

@@ -74,16 +74,6 @@ class ProcessTree:
                 continue
         return found
 
-    def alive(self) -> list[psutil.Process]:
-        out = []
-        for proc in self.seen.values():
-            try:
-                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
-                    out.append(proc)
-            except psutil.NoSuchProcess:
-                continue
-        return out
-
     def kill_all(self, timeout_s: float = 5.0) -> None:
         """SIGKILL every process seen or marked (and the rank sessions' groups), then reap."""
         self.refresh()

@@ -29,7 +29,7 @@ from .diagnosis import collect, describe_stuck
 from .processes import ProcessTree, new_mark
 from .rank_output import LogFollower, clean_paths, clean_rank_text, parse_torchrun_failures
 
-__all__ = ["LaunchResult", "TorchrunProcess", "run_torchrun", "torchrun_command"]
+__all__ = ["LaunchResult", "TorchrunProcess", "resolve_backend", "run_torchrun", "torchrun_command"]
 
 POLL_S = 0.05  # how often we look at the log files and the deadline
 TREE_REFRESH_S = 1.0  # how often we record new descendant processes (each refresh scans the process table)
@@ -69,6 +69,12 @@ class LaunchResult:
     @property
     def failed(self) -> list[int]:
         return sorted(r for r, code in self.exit_codes.items() if code not in (0, None))
+
+
+def resolve_backend(nproc: int, backend: str | BackendChoice) -> BackendChoice:
+    """A BackendChoice made by the caller (e.g. the magic, which printed it) is used as is;
+    a name, "auto", "gloo" or "nccl", is decided here (BackendError if it cannot run)."""
+    return backend if isinstance(backend, BackendChoice) else choose_backend(nproc, backend)
 
 
 def torchrun_command(target: list[str], nproc: int, log_dir: str | None = None) -> list[str]:
@@ -136,7 +142,7 @@ def run_torchrun(
     script: str,
     nproc: int,
     *,
-    backend: str = "auto",
+    backend: str | BackendChoice = "auto",
     timeout_s: float = 120.0,
     on_output: OutputCallback | None = None,
     on_poll: PollCallback | None = None,
@@ -152,8 +158,9 @@ def run_torchrun(
     ledger and stack dumps, even if the script never calls `cl.init()`), with
     `first_line` as a comment after it: the script starts on line 2, so line
     numbers in tracebacks match a notebook cell whose first line is the magic.
+    `backend` is a BackendChoice (used as is) or a name (see `resolve_backend`).
     """
-    choice = choose_backend(nproc, backend)
+    choice = resolve_backend(nproc, backend)
     run_dir = pathlib.Path(tempfile.mkdtemp(prefix="course_lib_"))  # mode 0700
     try:
         script_path = run_dir / SCRIPT_NAME

@@ -1,7 +1,8 @@
 """The notebook magics, the only IPython layer: `%%torchrun`, `%dist` / `%%dist`, `%%exercise`.
 
-`%load_ext course_lib` calls `register(ipython)`. Each Magics instance keeps
-its own state (the persistent pool, the last launch), nothing module-wide.
+`%load_ext course_lib` calls `register(ipython)`. State lives on the Magics
+instances, nothing module-wide: `DistMagics.pool` holds this kernel's
+persistent ranks (reach it with `get_ipython().magics_manager.registry["DistMagics"]`).
 """
 
 from __future__ import annotations

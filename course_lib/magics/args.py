@@ -1,7 +1,9 @@
-"""Argument parsing and errors shared by the notebook magics (%%torchrun, %dist, %%dist).
+"""Argument checks and errors shared by the notebook magics (%%torchrun, %dist, %%dist).
 
-Bad input must give a one-line `UsageError`, never argparse's usage text and
-`SystemExit`, nor a traceback through this library.
+The options themselves are declared on each magic with IPython's
+`magic_arguments`, so `%%torchrun?` and `%dist?` list them. Bad input must
+give a one-line `UsageError` that names the magic, never argparse's usage
+text and `SystemExit`, nor a traceback through this library.
 """
 
 from __future__ import annotations
@@ -14,16 +16,10 @@ from IPython.core.error import UsageError
 
 from ..errors import OneLineError
 
-__all__ = ["MAX_NPROC", "MagicParser", "RankFailure", "parse_line", "positive_seconds", "rank_count"]
+__all__ = ["DEFAULT_NPROC", "MAX_NPROC", "RankFailure", "parse_line", "positive_seconds", "rank_count"]
 
+DEFAULT_NPROC = 2
 MAX_NPROC = 64
-
-
-class MagicParser(argparse.ArgumentParser):
-    """argparse that raises a one-line UsageError (named after the magic) instead of exiting."""
-
-    def error(self, message: str):  # argparse would print usage and sys.exit
-        raise UsageError(f"{self.prog}: {message}")
 
 
 def rank_count(text: str) -> int:
@@ -46,13 +42,18 @@ def positive_seconds(text: str) -> float:
     return value
 
 
-def parse_line(parser: MagicParser, line: str) -> argparse.Namespace:
-    """Split the magic's line like a shell and parse it; bad input raises a one-line UsageError."""
+def parse_line(magic, line: str, name: str) -> argparse.Namespace:
+    """Parse the magic's line with the parser `@magic_arguments` built for `magic`.
+
+    Bad input raises a one-line UsageError that starts with `name` (e.g.
+    "%%torchrun: "): IPython's parser raises one without it.
+    """
+    # NOTE: split like a shell (quotes removed), not with IPython's own
+    # `parse_argstring`, whose non-POSIX split keeps the quotes: --ranks "0,2".
     try:
-        words = shlex.split(line)
-    except ValueError as exc:
-        raise UsageError(f"{parser.prog}: {exc}") from None
-    return parser.parse_args(words)
+        return magic.parser.parse_args(shlex.split(line))
+    except (UsageError, ValueError) as exc:  # ValueError: shlex, e.g. "No closing quotation"
+        raise UsageError(f"{name}: {exc}") from None
 
 
 class RankFailure(OneLineError):

@@ -1,21 +1,25 @@
-"""What a multi-rank cell shows in the notebook: a live view while it runs, rank-ordered blocks after.
+"""What a multi-rank cell shows in the notebook: a header, a live view while it runs, rank-ordered blocks after.
 
-Shared by `%%torchrun` (one-shot) and `%%dist` (persistent ranks).
+Shared by `%%torchrun` (one-shot) and `%%dist` (persistent ranks); how a
+cell ends (errors, `cl.results`) is in cell_end.py.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from typing import Callable, TypeVar
 
 from IPython.display import display
 
 from ..launcher.rank_output import rank_block
 
-__all__ = ["LiveView", "print_diagnosis", "print_rank_blocks"]
+__all__ = ["LiveView", "print_diagnosis", "print_rank_blocks", "run_live"]
 
 LIVE_LINES = 30  # lines kept in the live view while a cell runs
 LIVE_REFRESH_S = 0.2
+
+T = TypeVar("T")
 
 
 class LiveView:
@@ -51,6 +55,20 @@ class LiveView:
     def close(self) -> None:
         if self.handle is not None:
             self.handle.update({"text/plain": ""}, raw=True)
+
+
+def run_live(header: str, run: Callable[..., T]) -> T:
+    """Print the cell's first line, then `run(on_output=..., on_poll=...)` under a live view.
+
+    `run` is `run_torchrun` or `Pool.run` with its other arguments bound: both
+    call `on_output(rank, stream, text)` as ranks write and `on_poll()` while waiting.
+    """
+    print(header, flush=True)
+    live = LiveView()
+    try:
+        return run(on_output=live.add, on_poll=live.refresh)
+    finally:
+        live.close()
 
 
 def print_rank_blocks(stdout: dict[int, str], stderr: dict[int, str], first: int | None = None) -> None:

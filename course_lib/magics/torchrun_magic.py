@@ -12,37 +12,22 @@ interrupted run says which ranks did what.
 
 from __future__ import annotations
 
-import argparse
+import functools
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments
 
 from ..backend_choice import BACKEND_CHOICES, BackendError, choose_backend
 from ..launcher.rank_output import describe_exit, exit_summary
 from ..launcher.torchrun import LaunchResult, run_torchrun
-from ..results import ledgers, results
-from .args import MagicParser, RankFailure, parse_line, positive_seconds, rank_count
-from .display import LiveView, print_diagnosis, print_rank_blocks
+from .args import DEFAULT_NPROC, MAX_NPROC, parse_line, positive_seconds, rank_count
+from .cell_end import CellEnd, finish
+from .display import run_live
 
-__all__ = ["RankFailure", "TorchrunMagics", "last_result", "parse_torchrun_args", "report"]
+__all__ = ["DEFAULT_TIMEOUT_S", "TorchrunMagics", "cell_end"]
 
 DEFAULT_TIMEOUT_S = 120.0
-
-
-def _make_parser() -> MagicParser:
-    parser = MagicParser(prog="%%torchrun", add_help=False)
-    parser.add_argument("-n", "--nproc", "--nproc-per-node", type=rank_count, default=2)
-    parser.add_argument("--backend", choices=BACKEND_CHOICES, default="auto")
-    parser.add_argument("--timeout", type=positive_seconds, default=DEFAULT_TIMEOUT_S)
-    # For lessons that demonstrate a failure: report it without raising, so
-    # "Run All" goes on; a run that unexpectedly succeeds raises instead.
-    parser.add_argument("--expect-failure", action="store_true")
-    return parser
-
-
-def parse_torchrun_args(line: str) -> argparse.Namespace:
-    """Parse the magic's line; raise a one-line UsageError on bad input."""
-    return parse_line(_make_parser(), line)
 
 
 def _failure_message(result: LaunchResult, timeout_s: float) -> str:
@@ -63,23 +48,46 @@ def _failure_message(result: LaunchResult, timeout_s: float) -> str:
     return f"torchrun exited with code {result.agent_exit_code}: {detail[0]}"
 
 
-def report(result: LaunchResult) -> None:
-    """Print rank-ordered output (the failing rank's stderr first) and, on failure, every rank's exit
-    and, for ranks stuck at a deadline or interrupt, where they were."""
-    print_rank_blocks(result.stdout, result.stderr, first=result.root_cause)
-    if not result.ok:
-        print(exit_summary(result.exit_codes, result.not_started))
-    print_diagnosis(result.diagnosis, result.stacks)
+def cell_end(result: LaunchResult, timeout_s: float) -> CellEnd:
+    """How a launch ends as a cell: the failing rank's stderr first and, unless every rank exited 0,
+    every rank's exit and why the cell failed."""
+    end = CellEnd(result.stdout, result.stderr, result.results, result.ledgers, all_well="every rank exited 0",
+                  first=result.root_cause, diagnosis=result.diagnosis, stacks=result.stacks)
+    if result.ok:
+        return end
+    end.exit_line = exit_summary(result.exit_codes, result.not_started)
+    if result.interrupted:
+        running = ", ".join(map(str, result.unfinished)) or "none"
+        end.interrupted = f"interrupted; ranks still running were killed: {running}"
+    else:
+        end.failure = _failure_message(result, timeout_s)
+    return end
 
 
 @magics_class
 class TorchrunMagics(Magics):
+    @magic_arguments("%torchrun")  # the usage line then reads "%%torchrun ..."
+    @argument("-n", "--nproc", "--nproc-per-node", type=rank_count, default=DEFAULT_NPROC, metavar="N",
+              help=f"number of ranks, 1 to {MAX_NPROC} (default {DEFAULT_NPROC})")
+    @argument("--backend", choices=BACKEND_CHOICES, default="auto",
+              help="auto (default): nccl when this machine has a GPU per rank, else gloo on CPU")
+    @argument("--timeout", type=positive_seconds, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+              help=f"deadline: then every process of the cell is killed (default {DEFAULT_TIMEOUT_S:g})")
+    # For lessons that demonstrate a failure: report it without raising, so
+    # "Run All" goes on; a run that unexpectedly succeeds raises instead.
+    @argument("--expect-failure", action="store_true",
+              help="the cell is meant to fail: say so without an error; raise if every rank exits 0")
     @line_cell_magic
     def torchrun(self, line: str, cell: str | None = None):
-        """Run this cell as a script on N ranks with real torchrun (see module docstring)."""
+        """Run this cell as a script on N ranks with real torchrun.
+
+        The first line names world size, backend, device and why; the ranks'
+        output then shows live, and after the run in rank order. A failed,
+        timed-out or interrupted run says which ranks did what.
+        """
         if cell is None:
             raise UsageError("%torchrun is a cell magic: put %%torchrun -n 2 on the first line of a cell")
-        args = parse_torchrun_args(line)
+        args = parse_line(TorchrunMagics.torchrun, line, "%%torchrun")
         if not cell.strip():
             raise UsageError("%%torchrun: the cell is empty; write the script each rank runs below the magic line")
         try:
@@ -88,46 +96,16 @@ class TorchrunMagics(Magics):
             # +1: the learner counts the %%torchrun line as line 1 of the cell.
             raise UsageError(f"%%torchrun: the cell does not parse: line {(exc.lineno or 0) + 1}: {exc.msg}") from None
         try:
-            choice = choose_backend(args.nproc, args.backend)
+            choice = choose_backend(args.nproc, args.backend)  # decided here once, passed down as is
         except BackendError as exc:
             raise UsageError(f"%%torchrun: {exc}") from None
 
-        print(choice.header(args.nproc), flush=True)
-        live = LiveView()
-        try:
-            result = run_torchrun(
-                cell,
-                args.nproc,
-                backend=args.backend,
-                timeout_s=args.timeout,
-                on_output=live.add,
-                on_poll=live.refresh,
-                first_line=f"%%torchrun {line.strip()}".strip(),  # tracebacks then count lines as the cell does
-            )
-        finally:
-            live.close()
-        results.update(result.results)
-        ledgers.clear()
-        ledgers.update(result.ledgers)
-        global _last_result
-        _last_result = result
-        report(result)
-        if result.interrupted:
-            running = ", ".join(map(str, result.unfinished)) or "none"
-            print(f"interrupted; ranks still running were killed: {running}")
-            raise KeyboardInterrupt
-        if result.ok and args.expect_failure:
-            raise RankFailure("--expect-failure was given, but every rank exited 0")
-        if not result.ok:
-            if args.expect_failure:
-                print(f"as expected, {_failure_message(result, args.timeout)}")
-            else:
-                raise RankFailure(_failure_message(result, args.timeout))
-
-
-_last_result: LaunchResult | None = None
-
-
-def last_result() -> LaunchResult | None:
-    """The LaunchResult of the most recent %%torchrun cell in this kernel (for tests and graders)."""
-    return _last_result
+        result = run_live(choice.header(args.nproc), functools.partial(
+            run_torchrun,
+            cell,
+            args.nproc,
+            backend=choice,
+            timeout_s=args.timeout,
+            first_line=f"%%torchrun {line.strip()}".strip(),  # tracebacks then count lines as the cell does
+        ))
+        finish(cell_end(result, args.timeout), expect_failure=args.expect_failure)

@@ -31,36 +31,14 @@ import dataclasses
 from typing import Any, Callable, Union
 
 from ..units import binary_bytes
+from ..vocabulary import canonical_op
 
 __all__ = [
-    "CommRow", "CommTable", "CountRow", "TheoryRow", "canonical_op", "comm_counts", "comm_table",
-    "compare_counts", "compare_with_theory", "exact_bytes", "split_steps",
+    "CommRow", "CommTable", "TheoryRow", "comm_counts", "comm_table", "compare_with_theory", "exact_bytes",
+    "split_steps",
 ]
 
-# One name per collective, whatever spelled it. torch 2.13 renamed all_gather_into_tensor and
-# reduce_scatter_tensor to *_single (the old names are deprecated wrappers; FSDP2 calls the new
-# ones); CommDebugMode reports the c10d dispatcher ops and the functional collectives.
-_ALIASES = {
-    "all_gather_into_tensor": "all_gather_single", "_all_gather_base": "all_gather_single",
-    "reduce_scatter_tensor": "reduce_scatter_single", "_reduce_scatter_base": "reduce_scatter_single",
-    "c10d.allreduce_": "all_reduce", "c10d.allreduce_coalesced_": "all_reduce_coalesced",
-    "c10d._allgather_base_": "all_gather_single", "c10d.allgather_": "all_gather",
-    "c10d.allgather_into_tensor_coalesced_": "all_gather_single_coalesced",
-    "c10d._reduce_scatter_base_": "reduce_scatter_single", "c10d.reduce_scatter_": "reduce_scatter",
-    "c10d.reduce_scatter_tensor_coalesced_": "reduce_scatter_single_coalesced",
-    "c10d.broadcast_": "broadcast", "c10d.reduce_": "reduce", "c10d.gather_": "gather", "c10d.scatter_": "scatter",
-    "c10d.alltoall_": "all_to_all", "c10d.alltoall_base_": "all_to_all_single",
-    "c10d_functional.all_reduce": "all_reduce", "c10d_functional.all_gather_into_tensor": "all_gather_single",
-    "c10d_functional.reduce_scatter_tensor": "reduce_scatter_single", "c10d_functional.broadcast": "broadcast",
-    "c10d_functional.all_to_all_single": "all_to_all_single",
-}
-
 Expected = Union[dict[str, int], list[tuple[str, int]]]
-
-
-def canonical_op(name: str) -> str:
-    """The course's name for a collective: `c10d._allgather_base_` and `all_gather_into_tensor` -> `all_gather_single`."""
-    return _ALIASES.get(name, name)
 
 
 def exact_bytes(n: int) -> str:
@@ -221,37 +199,11 @@ def compare_with_theory(table: CommTable, expected: Expected, *, ranks: list[int
     return rows
 
 
-@dataclasses.dataclass(frozen=True)
-class CountRow:
-    op: str
-    ledger: int
-    debug_mode: int
-    match: bool
-
-
-def compare_counts(ledger_counts: dict[str, int], debug_counts: dict[str, int]) -> list[CountRow]:
-    """Calls per op from the ledger (`table.counts(rank, step)`) next to `comm_counts`' CommDebugMode counts.
-
-    Names are made canonical on both sides (`c10d.allreduce_` <-> `all_reduce`,
-    `c10d._allgather_base_` <-> `all_gather_single`, ...). Barriers are left out:
-    CommDebugMode does not count them.
-    """
-    def canon(counts: dict[str, int]) -> dict[str, int]:
-        out: dict[str, int] = collections.defaultdict(int)
-        for name, n in counts.items():
-            if canonical_op(name) != "barrier":
-                out[canonical_op(name)] += n
-        return out
-
-    ledger, debug = canon(ledger_counts), canon(debug_counts)
-    ops = list(dict.fromkeys([*ledger, *debug]))
-    return [CountRow(op, ledger.get(op, 0), debug.get(op, 0), ledger.get(op, 0) == debug.get(op, 0)) for op in ops]
-
-
 def comm_counts(fn: Callable[[], Any], *, by_phase: bool = False) -> dict:
     """Rank-side: run `fn()` under CommDebugMode; return `{op: count}` as plain data (publishable).
 
-    Names are CommDebugMode's own (`c10d.allreduce_`, `c10d._allgather_base_`).
+    Names are CommDebugMode's own (`c10d.allreduce_`, `c10d._allgather_base_`); `vocabulary.canonical_op`
+    gives the ledger's (`all_reduce`, `all_gather_single`).
     `by_phase=True`: `{"forward": {...}, "backward": {...}}` instead.
     NOTE: `fn` must run each module's forward at most once (one training step):
     CommDebugMode's module tracker (torch 2.13) registers a forward hook per call

@@ -28,17 +28,15 @@ import re
 from typing import Any, Callable, Sequence
 
 from .. import theory
+from ..vocabulary import OPTIMIZER_STATES, STRATEGIES, ZERO_STAGES
 
-__all__ = ["CATEGORIES", "EXACT", "PHASES", "STRATEGIES", "STAGES", "measure_step", "named_shapes",
-           "predict_step", "unit_prefixes", "zero1_partition"]
+__all__ = ["CATEGORIES", "EXACT", "PHASES", "measure_step", "named_shapes", "predict_step", "unit_prefixes",
+           "zero1_partition"]
 
-STRATEGIES = ("ddp", "zero1", "fsdp1", "fsdp2")
-STAGES = {"ddp": 0, "zero1": 1, "fsdp1": 3, "fsdp2": 3}  # ZeRO stage each strategy implements
 PHASES = ("init", "forward", "backward", "step")
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers", "other")
 EXACT = ("parameters", "gradients", "optimizer", "buffers")  # counted from objects and predicted exactly
 STEP_BYTES = 4  # Adam's `step` is a float32 scalar tensor per parameter (torch/optim/adam.py)
-_STATES = {"sgd": 0, "sgd-momentum": 1, "adam": 2}  # state tensors shaped like the parameter
 
 # torch's tracker categories (`_MemRefType`, `_FSDPRefType` values) mapped to ours.
 _TRACKER_MAP = {
@@ -239,10 +237,10 @@ def predict_step(shapes: list[tuple[str, tuple[int, ...]]], *, strategy: str, wo
     parameters, which FSDP keeps from forward into backward. "theory" is ZeRO's
     formula (`theory.zero_memory_per_rank`), which ignores padding and buffers.
     """
-    if strategy not in STRATEGIES or optimizer not in _STATES:
+    if strategy not in STRATEGIES or optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown strategy {strategy!r} or optimizer {optimizer!r}")
     numels = [math.prod(shape) for _, shape in shapes]
-    states, step = _STATES[optimizer] * element_size, STEP_BYTES if optimizer == "adam" else 0
+    states, step = OPTIMIZER_STATES[optimizer] * element_size, STEP_BYTES if optimizer == "adam" else 0
     groups = _units(shapes, list(units))
     buckets = gathered = 0
     if strategy in ("ddp", "zero1"):
@@ -264,7 +262,7 @@ def predict_step(shapes: list[tuple[str, tuple[int, ...]]], *, strategy: str, wo
     base = {"parameters": params, "gradients": 0, "optimizer": 0, "buffers": buckets}
     phases = {"init": dict(base), "forward": {**base, "buffers": buckets + gathered},
               "backward": {**base, "gradients": grads}, "step": {**base, "gradients": grads, "optimizer": opt}}
-    zero = theory.zero_memory_per_rank(sum(numels), world_size, stage=STAGES[strategy], precision="fp32",
+    zero = theory.zero_memory_per_rank(sum(numels), world_size, stage=ZERO_STAGES[strategy], precision="fp32",
                                        optimizer=optimizer)
     return {"strategy": strategy, "rank": rank, "world_size": world_size, "phases": phases,
             "theory": {"parameters": zero.params, "gradients": zero.grads, "optimizer": zero.optimizer}}

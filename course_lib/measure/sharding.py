@@ -10,7 +10,7 @@ rank only describes what it holds, from DTensor placements
 
 torch's own `torch.distributed.tensor.debug.visualize_sharding(dtensor)`
 prints one 1-D or 2-D DTensor, on the rank at mesh coordinate 0, as a table of
-row/column ranges (`print_dtensor_sharding` below calls it). Ours goes further:
+row/column ranges. Ours goes further:
 the whole model at once; FSDP1 FlatParameters (no DTensor there) with each
 rank's range, its padding and the original parameters that fall in it; DDP and
 plain replicated tensors; data that comes back to the kernel, is drawn there
@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["check_sharding", "clean_name", "mesh_of", "print_dtensor_sharding", "sharding_of"]
+__all__ = ["check_sharding", "clean_name", "mesh_of", "sharding_of"]
 
 # Wrapper modules insert these into parameter names; the learner thinks in the original names.
 _WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
@@ -190,15 +190,6 @@ def sharding_of(model: Any) -> dict:
     elif any(isinstance(m, FSDPModule) for m in model.modules()):
         out["kind"] = "fsdp2"
     return out
-
-
-def print_dtensor_sharding(dtensor: Any, header: str = "") -> None:
-    """torch's `visualize_sharding`: prints one 1-D/2-D DTensor's blocks per rank, on mesh coordinate 0 only."""
-    from torch.distributed.tensor.debug import visualize_sharding
-
-    if header and all(dtensor.device_mesh.get_local_rank(d) == 0 for d in range(dtensor.device_mesh.ndim)):
-        print(header)
-    visualize_sharding(dtensor)
 
 
 # ---------------------------------------------------------------- kernel side: consistency

@@ -9,8 +9,9 @@ and reads each parameter's local shard (`DTensor.to_local()`): exact per-rank
 bytes, padding included. The first simulated rank then runs one training
 step under FakeTensorMode (tensors with shapes and dtypes, no memory): FSDP2
 issues its real all-gathers (forward, and the backward re-gather) and
-reduce-scatters (gradients), which are recorded with their bytes, and the
-optimizer creates its state, whose local bytes are read.
+reduce-scatters (gradients), which the collective ledger records with their
+input bytes as on a real rank, and the optimizer creates its state, whose
+local bytes are read.
 
 Never in the kernel: a fake *default* process group would make later cells
 "communicate" with nobody. Fresh subprocesses (two on a 2-core machine) share
@@ -21,8 +22,9 @@ simulated: they depend on the batch, not on FSDP. The results say
 draws them under a SIMULATED title.
 
 Checked against reality in tests/test_simulate.py: the same helpers
-(`shard_llama`, `memory_of`, `record_fsdp_collectives`) run a tiny Llama with
-padded shards on 2 and 4 real gloo ranks, and every byte agrees.
+(`shard_llama`, `memory_of`, `make_optimizer`) run a tiny Llama with padded
+shards on 2 and 4 real gloo ranks, and every byte agrees, the real ranks'
+ledgers included.
 """
 
 from __future__ import annotations
@@ -37,12 +39,12 @@ import tempfile
 import time
 from typing import Any
 
+from ..vocabulary import OPTIMIZERS, PRECISIONS, data_flow
 from . import simulate_worker
-from .simulate_worker import RESULT_MARK, llama_config, memory_of, record_fsdp_collectives, shard_llama
+from .simulate_worker import RESULT_MARK
 
 __all__ = [
-    "GPU_BYTES", "LABEL", "LLAMA_CONFIGS", "OPTIMIZERS", "PRECISIONS", "SimulationError", "SimulationResult",
-    "llama_config", "memory_of", "record_fsdp_collectives", "result_rows", "shard_llama", "simulate_fsdp2",
+    "GPU_BYTES", "LABEL", "LLAMA_CONFIGS", "SimulationError", "SimulationResult", "result_rows", "simulate_fsdp2",
     "simulate_many", "simulate_table",
 ]
 
@@ -53,8 +55,6 @@ LLAMA_CONFIGS: dict[str, dict[str, int]] = {
     "llama-7b": dict(hidden=4096, layers=32, vocab=32000, intermediate=11008, heads=32, kv_heads=32),
     "llama-70b": dict(hidden=8192, layers=80, vocab=32000, intermediate=28672, heads=64, kv_heads=8),
 }
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
-OPTIMIZERS = ("adam", "sgd", "sgd-momentum")
 GPU_BYTES = 80e9  # one H100's memory, the reference line of the figure
 
 
@@ -77,15 +77,15 @@ class SimulationResult:
     grad_bytes: dict[int, int]
     optimizer_bytes: dict[int, int]  # per-element state (Adam: exp_avg, exp_avg_sq); scalar `step` counters left out
     stepped_ranks: list[int]  # ranks that ran the fake step; the others' grads/state follow their shard shapes
-    collectives: list[tuple[str, int, int]]  # (torch function, input bytes, output bytes) in call order
+    collectives: list[tuple[str, int]]  # (op, input bytes) in call order, as the ledger records them (canonical names)
     elapsed_s: float  # wall time of this configuration in the subprocess
     cpu_s: float = 0.0  # its CPU time (on a busy machine, the steadier number)
 
     def total_bytes(self, rank: int) -> int:
         return self.param_bytes[rank] + self.grad_bytes[rank] + self.optimizer_bytes[rank]
 
-    def _input_bytes(self, kind: str) -> int:
-        return sum(nbytes for op, nbytes, _ in self.collectives if op.startswith(kind))
+    def _input_bytes(self, flow: str) -> int:
+        return sum(nbytes for op, nbytes in self.collectives if data_flow(op) == flow)
 
     @property
     def all_gather_bytes(self) -> int:
@@ -99,12 +99,21 @@ class SimulationResult:
 
     @property
     def sent_bytes(self) -> int:
-        """Bytes each rank sends per step on a ring: (N-1)/N of each all-gather's output and reduce-scatter's input."""
+        """Bytes each rank sends per step on a ring: (N-1)/N of each all-gather's output and reduce-scatter's input.
+
+        An all-gather's output is its input (this rank's padded shard) from each of the N ranks.
+        """
         from ..theory import ring_all_gather_bytes, ring_reduce_scatter_bytes
 
-        n = self.world_size
-        return round(sum(ring_all_gather_bytes(out, n) if op.startswith("all_gather") else
-                         ring_reduce_scatter_bytes(inp, n) for op, inp, out in self.collectives))
+        n, sent = self.world_size, 0.0
+        for op, nbytes in self.collectives:
+            if data_flow(op) == "all_gather":
+                sent += ring_all_gather_bytes(nbytes * n, n)
+            elif data_flow(op) == "reduce_scatter":
+                sent += ring_reduce_scatter_bytes(nbytes, n)
+            else:  # FSDP2's step issues only these two
+                raise ValueError(f"sent_bytes: no ring formula here for {op}")
+        return round(sent)
 
 
 def _job(config: dict | str, world_size: int, ranks, precision: str, optimizer: str, step_every_rank: bool) -> dict:

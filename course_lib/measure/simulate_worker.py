@@ -1,14 +1,16 @@
-"""What runs where FSDP2 runs: the Llama sharding, memory and collective helpers, and the simulation worker.
+"""What runs where FSDP2 runs: the Llama sharding and memory helpers, and the simulation worker.
 
-`shard_llama`, `memory_of` and `record_fsdp_collectives` run unchanged on real
-gloo ranks (tests/test_simulate.py) and inside `python -m
+`shard_llama`, `memory_of` and `make_optimizer` run unchanged on real gloo
+ranks (tests/test_simulate.py) and inside `python -m
 course_lib.measure.simulate_worker`, where each configuration joins torch's fake
 process group (FakeProcessGroup: a collective returns at once and sends
 nothing) as one rank of `world_size`, builds the model on the meta device,
 shards it with `fully_shard`, and runs one training step under
-FakeTensorMode (shapes and dtypes, no memory). Same code on both sides is
-why the simulated bytes can be trusted. Kept out of the notebook kernel on
-purpose: a fake *default* process group must never leak into it.
+FakeTensorMode (shapes and dtypes, no memory). The step's collectives are
+recorded by the collective ledger (rank/ledger.py), the recorder every real
+rank runs. Same code on both sides is why the simulated bytes can be trusted.
+Kept out of the notebook kernel on purpose: a fake *default* process group
+must never leak into it, nor the ledger's wrapping of torch.distributed.
 
     echo '[{"model": "llama-7b", "config": {...}, "world_size": 8, "ranks": [0, 7], "precision": "fp32",
             "optimizer": "adam", "step_every_rank": false}]' | python -m course_lib.measure.simulate_worker
@@ -16,22 +18,21 @@ purpose: a fake *default* process group must never leak into it.
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import json
+import os
 import sys
+import tempfile
 import time
-from typing import Any, Iterator
+from typing import Any
 
-__all__ = ["llama_config", "make_optimizer", "memory_of", "record_fsdp_collectives", "shard_llama"]
+from ..rank import ledger
+from ..vocabulary import LOW_PRECISION_DTYPES, OPTIMIZERS, canonical_op
+
+__all__ = ["llama_config", "make_optimizer", "memory_of", "shard_llama"]
 
 _HF_NAMES = {"hidden": "hidden_size", "layers": "num_hidden_layers", "vocab": "vocab_size",
              "intermediate": "intermediate_size", "heads": "num_attention_heads",
              "kv_heads": "num_key_value_heads", "tied_embeddings": "tie_word_embeddings"}
-_COLLECTIVES = {  # the torch.distributed functions FSDP2 calls (by torch version), and their input argument
-    "all_gather_single": "input_tensor", "all_gather_into_tensor": "input_tensor",
-    "reduce_scatter_single": "input", "reduce_scatter_tensor": "input",
-}
 RESULT_MARK = "COURSE_SIMULATION_RESULT "
 _STEP_TOKENS = 8  # the fake batch: 1 sequence of 8 tokens (activations are not what is measured)
 
@@ -49,10 +50,10 @@ def shard_llama(model: Any, mesh: Any, *, precision: str = "fp32") -> Any:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     kwargs: dict[str, Any] = {"mesh": mesh}
-    if precision != "fp32":
+    if precision in LOW_PRECISION_DTYPES:
         # torchtitan's default: compute and all-gather in 16 bits, reduce gradients in fp32.
         # The sharded parameters stay fp32: they are the master weights.
-        low = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
+        low = getattr(torch, LOW_PRECISION_DTYPES[precision])
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
     for layer in model.model.layers:
         fully_shard(layer, **kwargs)
@@ -61,8 +62,11 @@ def shard_llama(model: Any, mesh: Any, *, precision: str = "fp32") -> Any:
 
 
 def make_optimizer(params: Any, optimizer: str) -> Any:
+    """The torch optimizer behind a name in `vocabulary.OPTIMIZERS` (lr 1e-3; momentum 0.9)."""
     import torch
 
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, not {optimizer!r}")
     if optimizer == "adam":
         return torch.optim.Adam(params, lr=1e-3)
     return torch.optim.SGD(params, lr=1e-3, momentum=0.9 if optimizer == "sgd-momentum" else 0.0)
@@ -93,42 +97,14 @@ def memory_of(model: Any, optimizer: Any = None) -> dict[str, int]:
     }
 
 
-@contextlib.contextmanager
-def record_fsdp_collectives() -> Iterator[list[tuple[str, int, int]]]:
-    """Record FSDP's all-gathers and reduce-scatters as (function, input bytes, output bytes), in call order.
-
-    FSDP looks the functions up on `torch.distributed` at each call, so
-    wrapping them there sees every call, on a real group or a fake one.
-    """
-    import torch.distributed as dist
-
-    calls: list[tuple[str, int, int]] = []
-    originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
-
-    def wrap(name, fn):
-        signature, input_name = inspect.signature(fn), _COLLECTIVES[name]
-        output_name = next(iter(signature.parameters))  # output first in all four
-
-        def recorded(*args, **kwargs):
-            bound = signature.bind(*args, **kwargs).arguments
-            calls.append((name, _nbytes(bound[input_name]), _nbytes(bound[output_name])))
-            return fn(*args, **kwargs)
-        return recorded
-
-    for name, fn in originals.items():
-        setattr(dist, name, wrap(name, fn))
-    try:
-        yield calls
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
-
-
 # --- the worker process ------------------------------------------------------------------------
 
 
-def _simulate_rank(job: dict, rank: int, step: bool) -> dict:
-    """One rank of one configuration, in this (throw-away) process: fake group, meta model, fully_shard."""
+def _simulate_rank(job: dict, rank: int, step: bool, recorded: ledger.LedgerReader) -> dict:
+    """One rank of one configuration, in this (throw-away) process: fake group, meta model, fully_shard.
+
+    `recorded`: the reader of this process's ledger; the step's collectives are its new entries.
+    """
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -150,12 +126,15 @@ def _simulate_rank(job: dict, rank: int, step: bool) -> dict:
             return out
         # Fake tensors from here: FSDP's real code runs and allocates nothing. (Non-fake inputs
         # allowed: to_empty reads the meta shards, which are real meta tensors, not fake ones.)
-        with FakeTensorMode(allow_non_fake_inputs=True), record_fsdp_collectives() as calls:
+        before = len(recorded.read())
+        with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
             optimizer = make_optimizer(model.parameters(), job["optimizer"])
             input_ids = torch.zeros(1, _STEP_TOKENS, dtype=torch.long)
             model(input_ids=input_ids, labels=input_ids).loss.backward()
             optimizer.step()
+        # The ledger records input bytes; an all-gather's output is world_size times its input.
+        calls = [(canonical_op(e["op"]), e["bytes"]) for e in recorded.read()[before:]]
         per_param = {}
         for name, p in model.named_parameters():
             states = _state_tensors(optimizer, p)
@@ -169,13 +148,13 @@ def _simulate_rank(job: dict, rank: int, step: bool) -> dict:
         dist.destroy_process_group()
 
 
-def _simulate_job(job: dict) -> dict:
+def _simulate_job(job: dict, recorded: ledger.LedgerReader) -> dict:
     started, cpu_started = time.perf_counter(), time.process_time()
     result = {"param_bytes": {}, "grad_bytes": {}, "optimizer_bytes": {}, "stepped_ranks": []}
     stepped = None
     for rank in job["ranks"]:
         step = stepped is None or job["step_every_rank"]
-        one = _simulate_rank(job, rank, step)
+        one = _simulate_rank(job, rank, step, recorded)
         if step:
             # FSDP pads every shard to one size, so every rank issues the same collectives.
             if stepped is not None and one["collectives"] != stepped["collectives"]:
@@ -196,7 +175,14 @@ def _simulate_job(job: dict) -> dict:
 def main() -> None:
     """`python -m course_lib.measure.simulate_worker` < jobs.json: one result line on stdout, or a traceback and exit 1."""
     jobs = json.load(sys.stdin)
-    print(RESULT_MARK + json.dumps([_simulate_job(job) for job in jobs]), flush=True)
+    with tempfile.TemporaryDirectory(prefix="course-simulation-") as folder:
+        # Once per process: the ledger wraps torch.distributed's functions once and numbers calls per
+        # group across every fake group this process creates; each step reads only its new entries.
+        path = os.path.join(folder, "ledger.jsonl")
+        ledger.install(path)
+        recorded = ledger.LedgerReader(path)
+        results = [_simulate_job(job, recorded) for job in jobs]
+    print(RESULT_MARK + json.dumps(results), flush=True)
 
 
 if __name__ == "__main__":

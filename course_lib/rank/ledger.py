@@ -1,9 +1,11 @@
 """The collective ledger: every collective and point-to-point call a rank makes, as it makes it.
 
-`install(path)` wraps the public functions of `torch.distributed` (all_reduce,
-broadcast, send, ...). Each call appends one JSON line when it starts and one
-when it returns, straight to the file (no buffering), so the record survives
-a rank that hangs or is killed mid-collective. The kernel reads the files:
+`install(path)` wraps the public functions of `torch.distributed` that
+`course_lib.vocabulary.RECORDED_OPS` names (all_reduce, broadcast, send, ...).
+Each call appends one JSON line when it starts and one when it returns,
+straight to the file (no buffering), so the record survives a rank that hangs
+or is killed mid-collective. `op` is the function's own name
+(`vocabulary.canonical_op` gives the course's). The kernel reads the files:
 
     {"seq": 7, "op": "all_reduce", "group": "world", "shapes": [[1024]], "dtype": "float32",
      "bytes": 4096, "start": 12.345, "async": false}          # entered
@@ -27,18 +29,9 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["RECORDED_OPS", "LedgerReader", "install", "read_ledger"]
+from ..vocabulary import ALWAYS_ASYNC, RECORDED_OPS
 
-# FSDP1 and FSDP2 call the *_single forms (torch >= 2.13; `all_gather_into_tensor` and
-# `reduce_scatter_tensor` became wrappers around them): without them FSDP traffic is invisible.
-RECORDED_OPS = (
-    "send", "recv", "isend", "irecv", "batch_isend_irecv",
-    "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
-    "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
-    "all_to_all", "all_to_all_single",
-    "barrier", "monitored_barrier",
-    "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
-)
+__all__ = ["LedgerReader", "install", "read_ledger"]
 
 _state = threading.local()  # .depth: >0 while inside a recorded call
 
@@ -88,7 +81,7 @@ class _Recorder:
         input_index = params.index(input_name) if input_name else None
         group_index = params.index("group") if "group" in params else None
         async_index = params.index("async_op") if "async_op" in params else None
-        always_async = name in ("isend", "irecv", "batch_isend_irecv")
+        always_async = name in ALWAYS_ASYNC
         fd, seqs, lock = self.fd, self.seq, self.lock
 
         @functools.wraps(fn)

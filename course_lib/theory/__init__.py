@@ -11,19 +11,17 @@ serves: `from course_lib import theory`.
 
 Sources: ZeRO (Rajbhandari et al. 2019, arXiv:1910.02054) for bytes per
 parameter and the stages; torch 2.13's FSDP source for the layouts
-(`torch/distributed/fsdp/_flat_param.py`, `_fully_shard/_fsdp_param.py`);
-Korthikanti et al. 2022 (arXiv:2205.05198) for activation memory.
+(`torch/distributed/fsdp/_flat_param.py`, `_fully_shard/_fsdp_param.py`).
+Optimizer and precision names, and the FSDP op names, are `course_lib.vocabulary`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
+from ..vocabulary import LOW_PRECISION_DTYPES, OPTIMIZER_STATES, PRECISIONS
 from .comm import (
-    FSDP_ALL_GATHER_OP,
-    FSDP_REDUCE_SCATTER_OP,
     ddp_step_bytes,
     fsdp2_step_collectives,
     ring_all_gather_bytes,
@@ -37,37 +35,13 @@ from .comm import (
 
 __all__ = [
     "BytesPerParam", "FlatShard", "MemoryPerRank",
-    "activation_bytes_per_layer", "bytes_per_param", "chunk_sizes", "dtype_bytes",
-    "fsdp1_flat_shards", "fsdp2_local_shape", "fsdp2_padded_shard_numel", "llama_param_count",
-    "zero_memory_per_rank",
+    "bytes_per_param", "chunk_sizes", "fsdp1_flat_shards", "fsdp2_local_shape", "fsdp2_padded_shard_numel",
+    "llama_param_count", "zero_memory_per_rank",
     # from theory.comm
-    "FSDP_ALL_GATHER_OP", "FSDP_REDUCE_SCATTER_OP", "ddp_step_bytes", "fsdp2_step_collectives",
+    "ddp_step_bytes", "fsdp2_step_collectives",
     "ring_all_gather_bytes", "ring_all_reduce_bytes", "ring_all_reduce_schedule", "ring_reduce_scatter_bytes",
     "ring_time_s", "tp_layer_comm", "zero_step_sent_bytes",
 ]
-
-# Names a learner types for a dtype; anything else is looked up on torch.
-_DTYPE_BYTES = {
-    "float64": 8, "fp64": 8, "double": 8, "int64": 8, "long": 8,
-    "float32": 4, "fp32": 4, "float": 4, "int32": 4, "int": 4,
-    "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2, "int16": 2,
-    "int8": 1, "uint8": 1, "bool": 1, "fp8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
-}
-
-
-def dtype_bytes(dtype: Any) -> int:
-    """Bytes per element of a `torch.dtype` or a name ("float32", "bf16", "torch.float16")."""
-    if isinstance(dtype, str):
-        name = dtype.removeprefix("torch.").lower()
-        if name in _DTYPE_BYTES:
-            return _DTYPE_BYTES[name]
-        import torch
-
-        dtype = getattr(torch, name, None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"unknown dtype name {name!r}")
-    return int(dtype.itemsize)
-
 
 # ---------------------------------------------------------------- memory (ZeRO)
 
@@ -84,10 +58,6 @@ class BytesPerParam:
         return self.params + self.grads + self.optimizer
 
 
-# Optimizer state per parameter, in fp32 elements: SGD none, momentum one buffer, Adam two (m, v).
-_OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adam": 2}
-
-
 def bytes_per_param(*, precision: str = "fp32", optimizer: str = "adam") -> BytesPerParam:
     """ZeRO's accounting (arXiv:1910.02054, section 3.1): mixed-precision Adam is 2 + 2 + 12 = 16 bytes.
 
@@ -96,14 +66,14 @@ def bytes_per_param(*, precision: str = "fp32", optimizer: str = "adam") -> Byte
     backward, and the optimizer also keeps an fp32 master copy of the weights
     (4 bytes) next to its states: Adam 4 + 4 + 4 = 12 ("K = 12" in the paper).
     """
-    if optimizer not in _OPTIMIZER_STATES:
-        raise ValueError(f"optimizer must be one of {sorted(_OPTIMIZER_STATES)}, not {optimizer!r}")
-    states = 4 * _OPTIMIZER_STATES[optimizer]
-    if precision == "fp32":
-        return BytesPerParam(4, 4, states)
-    if precision in ("bf16-mixed", "fp16-mixed"):
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, not {optimizer!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, not {precision!r}")
+    states = 4 * OPTIMIZER_STATES[optimizer]  # each state tensor is fp32
+    if precision in LOW_PRECISION_DTYPES:
         return BytesPerParam(2, 2, 4 + states)  # + the fp32 master weights
-    raise ValueError(f"precision must be 'fp32', 'bf16-mixed' or 'fp16-mixed', not {precision!r}")
+    return BytesPerParam(4, 4, states)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,18 +228,3 @@ def llama_param_count(*, hidden: int, layers: int, vocab: int, intermediate: int
     per_layer = attention + 3 * hidden * intermediate + 2 * hidden
     embeddings = vocab * hidden * (1 if tied_embeddings else 2)
     return embeddings + layers * per_layer + hidden
-
-
-def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
-                               tp: int = 1, sequence_parallel: bool = False) -> float:
-    """Activation bytes one transformer layer stores for backward, per rank (arXiv:2205.05198, Table 2).
-
-    16-bit activations, no recomputation: s*b*h*(34 + 5*a*s/h). Tensor
-    parallelism of degree t splits the attention and MLP insides but not the
-    layer norms and dropouts: s*b*h*(10 + 24/t + 5*a*s/(h*t)). Sequence
-    parallelism splits those too: s*b*h/t * (34 + 5*a*s/h).
-    """
-    sbh, attention = seq * batch * hidden, 5 * heads * seq / hidden
-    if sequence_parallel:
-        return sbh / tp * (34 + attention)
-    return sbh * (10 + 24 / tp + attention / tp)

@@ -14,19 +14,13 @@ from __future__ import annotations
 
 import math
 
+from ..vocabulary import FSDP_ALL_GATHER_OP, FSDP_REDUCE_SCATTER_OP
+
 __all__ = [
-    "FSDP_ALL_GATHER_OP", "FSDP_REDUCE_SCATTER_OP",
     "ddp_step_bytes", "fsdp2_step_collectives", "ring_all_gather_bytes", "ring_all_reduce_bytes",
     "ring_all_reduce_schedule", "ring_reduce_scatter_bytes", "ring_time_s", "tp_layer_comm",
     "zero_step_sent_bytes",
 ]
-
-# The functions FSDP2 (and FSDP1's reduce-scatter) call in torch 2.13, so the op
-# names a ledger records for them; all_gather_into_tensor and reduce_scatter_tensor
-# are now deprecated wrappers around these. NOTE: FSDP1 on CPU all-gathers with
-# the list form, `dist.all_gather(tensor_list, shard)`.
-FSDP_ALL_GATHER_OP = "all_gather_single"
-FSDP_REDUCE_SCATTER_OP = "reduce_scatter_single"
 
 
 # ---------------------------------------------------------------- ring collectives

@@ -1,0 +1,56 @@
+"""How a multi-rank cell ends, the same for `%%torchrun` and `%%dist`.
+
+Each magic turns its launcher's result into a `CellEnd` (what differs: which
+rank failed first, its failure sentence, its interrupt line); `finish` then
+updates `cl.results` and `cl.ledgers`, prints the ranks' output in rank order,
+and raises or not: KeyboardInterrupt after an interrupt, RankFailure after a
+failure unless `--expect-failure` was given, RankFailure after a success if it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..results import ledgers, results
+from .args import RankFailure
+from .display import print_diagnosis, print_rank_blocks
+
+__all__ = ["CellEnd", "finish"]
+
+
+@dataclasses.dataclass
+class CellEnd:
+    stdout: dict[int, str]  # rank -> what it printed
+    stderr: dict[int, str]  # rank -> what it wrote to stderr, its traceback included
+    published: dict[str, dict[int, Any]]  # cl.publish(name, value): name -> {rank: value}
+    ledgers: dict[int, list[dict]]  # rank -> its collectives so far (rank/ledger.py)
+    all_well: str  # how success reads after "--expect-failure was given, but "
+    first: int | None = None  # the rank that failed first: its stderr comes first
+    exit_line: str | None = None  # "exit: ..." for each rank, after a failed launch
+    diagnosis: list[str] = dataclasses.field(default_factory=list)  # who was stuck where
+    stacks: dict[int, str] = dataclasses.field(default_factory=dict)  # stuck ranks' Python stacks
+    interrupted: str | None = None  # the line printed before KeyboardInterrupt; None: not interrupted
+    failure: str | None = None  # why the cell failed, one sentence; None: it did not
+
+
+def finish(end: CellEnd, *, expect_failure: bool) -> None:
+    """Record what the ranks sent back, show what they wrote, then raise as the cell ended (see module docstring)."""
+    for name, by_rank in end.published.items():
+        results[name] = dict(sorted(by_rank.items()))
+    ledgers.clear()
+    ledgers.update(end.ledgers)
+    print_rank_blocks(end.stdout, end.stderr, first=end.first)
+    if end.exit_line is not None:
+        print(end.exit_line)
+    print_diagnosis(end.diagnosis, end.stacks)
+    if end.interrupted is not None:
+        print(end.interrupted)
+        raise KeyboardInterrupt
+    if end.failure is None:
+        if expect_failure:
+            raise RankFailure(f"--expect-failure was given, but {end.all_well}")
+    elif expect_failure:
+        print(f"as expected, {end.failure}")
+    else:
+        raise RankFailure(end.failure)
