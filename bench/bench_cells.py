@@ -1,8 +1,9 @@
 """What a notebook cell costs: %%dist and %%torchrun against their floors, measured side by side.
 
-    .venv/bin/python bench/bench_cells.py [--quick] [--profile]
+    .venv/bin/python bench/bench_cells.py [--quick | --smoke] [--profile]
 
-Run it from the repository root. Full run about 5 min, --quick about 1.5 min, on 2 cores.
+Run it from the repository root. Full run about 5 min, --quick about 1.5 min, on 2 cores;
+--smoke runs every part once (numbers meaningless; tests/test_bench.py runs it).
 Every comparison is made in ONE run with its variants interleaved (a new
 random order each round), so a load that comes and goes (another job on the
 machine) lands on all variants alike; read the medians and the ratios, not
@@ -33,7 +34,6 @@ import argparse
 import contextlib
 import cProfile
 import datetime
-import inspect
 import io
 import json
 import os
@@ -70,10 +70,12 @@ GOAL_TRIVIAL_S = 0.010  # median trivial %%dist cell at 2 ranks, through the ker
 GOAL_LEDGER_RATIO = 1.05  # 4 MiB all_reduce cell, ledger ON / OFF
 GOAL_ONESHOT_RATIO = 1.05  # %%torchrun -n 2 / bare torchrun, same script
 
-# Rounds per part: (full, --quick).
-ROUNDS = {"cells": (200, 40), "per_call": (12, 4), "grown": (40, 12), "oneshot": (8, 2)}
+# Rounds per part: (full, --quick, --smoke).
+ROUNDS = {"cells": (200, 40, 1), "per_call": (12, 4, 1), "grown": (40, 12, 1), "oneshot": (8, 2, 1)}
+WARM_UP = (5, 5, 0)  # cell rounds before the measured ones
+IN_KERNEL = (10, 3, 1)  # samples of the %%dist magic inside the kernel
 TINY_CALLS, BIG_CALLS = 500, 40  # collectives per in-rank timing cell
-GROW_CALLS = (10_000, 2_000)  # tiny all_reduces recorded before the "grown ledger" cells
+GROW_CALLS = (10_000, 2_000, 100)  # tiny all_reduces recorded before the "grown ledger" cells
 
 SETUP = """\
 import time
@@ -325,7 +327,6 @@ def ledger_parts(tmp: pathlib.Path) -> dict[str, float]:
     recorder = ledger._Recorder(str(tmp / "ledger.bench.jsonl"))
     wrapped = recorder.wrap("all_reduce", fake_all_reduce)
     x, n = torch.ones(1), 20_000
-    signature = inspect.signature(fake_all_reduce)
     record = {"seq": 1, "op": "all_reduce", "group": "world", "shapes": [[1]], "dtype": "float32",
               "bytes": 4, "start": time.monotonic(), "async": False}
     line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
@@ -341,8 +342,7 @@ def ledger_parts(tmp: pathlib.Path) -> dict[str, float]:
 
     parts = {
         "wrapper, total (minus the bare call)": per_call(lambda: wrapped(x)) - per_call(lambda: fake_all_reduce(x)),
-        "  signature.bind_partial": per_call(lambda: signature.bind_partial(x)),
-        "  json.dumps of one record": per_call(lambda: json.dumps(record, separators=(",", ":"))),
+        "  the group's name (get_process_group_ranks)": per_call(lambda: ledger._group_name(None)),
         "  os.write of one line (O_APPEND, x2 per call)": per_call(lambda: os.write(recorder.fd, line)),
     }
     # read_ledger re-parses the whole file of every rank after every %%dist cell.
@@ -435,10 +435,12 @@ def print_profile(title: str, profile: cProfile.Profile, limit: int = 18) -> Non
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds (about 1.5 min)")
+    speed = parser.add_mutually_exclusive_group()
+    speed.add_argument("--quick", action="store_true", help="fewer rounds (about 1.5 min)")
+    speed.add_argument("--smoke", action="store_true", help="every part once: checks the script runs")
     parser.add_argument("--profile", action="store_true", help="also print cProfile tables")
     args = parser.parse_args()
-    pick = 1 if args.quick else 0
+    pick = 2 if args.smoke else 1 if args.quick else 0
     rounds = {k: v[pick] for k, v in ROUNDS.items()}
     rng = random.Random(0)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -474,7 +476,7 @@ def main() -> None:
             "Pool.run: 4 MiB, ledger ON": lambda: timed_pool_run(p["p2_on"], "dist.all_reduce(big)"),
             "Pool.run: 4 MiB, ledger OFF": lambda: timed_pool_run(p["p2_off"], "dist.all_reduce(big)"),
         }
-        interleave(cell_variants, 5, rng, {})  # warm-up, not kept
+        interleave(cell_variants, WARM_UP[pick], rng, {})  # warm-up, not kept
         print(f"part 1-2: {rounds['cells']} rounds of {len(cell_variants)} cells ...", flush=True)
         interleave(cell_variants, rounds["cells"], rng, samples)
         entries_a = len(check(p["p2_on"].run("pass")).ledgers[0])
@@ -484,7 +486,7 @@ def main() -> None:
                       "    _s = time.perf_counter()\n    _ip.run_cell_magic('dist', '', 'pass')\n"
                       "    _t.append(time.perf_counter() - _s)\nprint('MAGIC', statistics.median(_t))\n")
         for name, kname in (("in-kernel run_cell_magic('dist'), 2", "k2"), ("in-kernel run_cell_magic('dist'), 4", "k4")):
-            for _ in range(3 if args.quick else 10):
+            for _ in range(IN_KERNEL[pick]):
                 out = k[kname].run(magic_cell.format(n=20))[1]
                 samples.setdefault(name, []).append(float(out.rsplit("MAGIC", 1)[1]))
 
@@ -586,7 +588,7 @@ def main() -> None:
         oneshot = {"bare torchrun": bare, "run_torchrun (library)": library,
                    "kernel: cl.run_torchrun() (no magic)": kernel_call, "%%torchrun -n 2 (kernel)": kernel_oneshot}
         print(f"part 3: 1 warm-up + {rounds['oneshot']} rounds of 4 launches (~5 s each) ...", flush=True)
-        interleave(oneshot, 1, rng, {})
+        interleave(oneshot, 0 if args.smoke else 1, rng, {})
         cpu.clear(), steps.clear(), bare_agent.clear()
         interleave(oneshot, rounds["oneshot"], rng, samples)
         if args.profile:

@@ -1,17 +1,18 @@
 """Where the cost of a cell goes: ablations behind bench_cells.py's findings.
 
-    .venv/bin/python bench/why_cells_cost.py [--quick] [ledger|oneshot]
+    .venv/bin/python bench/why_cells_cost.py [--quick | --smoke] [ledger|oneshot]
 
-Run it from the repository root (about 3 min, --quick about 1 min). Nothing
+Run it from the repository root (about 3 min, --quick about 1 min; --smoke runs
+each variant once, for tests/test_bench.py). Nothing
 in course_lib changes: variants are built in the ranks or patched in this
 process only. Variants are interleaved, a new random order each round;
 read medians and differences, not absolute numbers.
 
 ledger:  time per 1-float all_reduce inside a rank, with the ledger's own
-         wrapper (as installed), the same wrapper with its writes removed, with
-         only json.dumps kept, and a fast-path recorder (no inspect, no json:
-         one bytes %-format per line, same two unbuffered writes, same record)
-         that shows what a cheaper wrapper could cost.
+         wrapper (as installed, writing to a file), the same wrapper writing to
+         /dev/null (the cost of the wrapper without the file), and a fast-path
+         recorder (the record built with one bytes %-format per line, same two
+         unbuffered writes) that shows what a cheaper wrapper could cost.
 oneshot: run_torchrun against bare torchrun, and run_torchrun without its
          periodic ProcessTree.refresh (psutil scans of /proc) or without its
          watchdog process: wall seconds and CPU seconds of the whole launch.
@@ -34,24 +35,18 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_cells import ONE_SHOT, TORCHRUN, check, children_cpu_s, self_cpu_s, start_pool  # noqa: E402
 
-from course_lib import torchrun as torchrun_mod  # noqa: E402
+from course_lib.launcher import torchrun as torchrun_mod  # noqa: E402
 from course_lib.launcher.processes import ProcessTree  # noqa: E402
 
 RANK_SETUP = r'''
-import json
 import os
-from course_lib import ledger as _ledger
+from course_lib.rank import ledger as _ledger
 
 _dir = os.environ["COURSE_RESULTS_DIR"]  # the pool's private folder, removed when the pool stops
 
 plain = getattr(dist.all_reduce, "__wrapped__", dist.all_reduce)  # this pool runs with COURSE_LEDGER=0
 as_installed = _ledger._Recorder(os.path.join(_dir, f"as_installed.{dist.get_rank()}")).wrap("all_reduce", plain)
-_quiet = _ledger._Recorder(os.devnull)
-_quiet.write = lambda record: None
-no_writes = _quiet.wrap("all_reduce", plain)
-_dumps = _ledger._Recorder(os.devnull)
-_dumps.write = lambda record: json.dumps(record, separators=(",", ":"))
-dumps_only = _dumps.wrap("all_reduce", plain)
+to_devnull = _ledger._Recorder(os.devnull).wrap("all_reduce", plain)
 
 _fd = os.open(os.path.join(_dir, f"fast_path.{dist.get_rank()}"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
 _seq = 0
@@ -92,20 +87,22 @@ def report(samples: dict[str, list[float]], ref: str, unit: float, unit_name: st
         print(line)
 
 
-def ledger_ablation(rounds: int, rng: random.Random) -> None:
+LEDGER_VARIANTS = ["plain", "as_installed", "to_devnull", "fast_path"]
+
+
+def ledger_ablation(rounds: int, rng: random.Random, calls: int = 1000) -> None:
     pool = start_pool(2, ledger_on=False)
     try:
         check(pool.run(RANK_SETUP))
-        names = ["plain", "as_installed", "no_writes", "dumps_only", "fast_path"]
+        names = list(LEDGER_VARIANTS)
         samples: dict[str, list[float]] = {name: [] for name in names}
         for _ in range(rounds):
             rng.shuffle(names)
             for name in names:
-                result = check(pool.run(f"cl.publish('t', _per_call({name}, 1000))"))
+                result = check(pool.run(f"cl.publish('t', _per_call({name}, {calls}))"))
                 samples[name].append(result.published["t"][0])
-        print("1-float all_reduce inside a rank, 2 ranks, time per call (1000 calls per sample):")
-        report({n: samples[n] for n in ["plain", "as_installed", "no_writes", "dumps_only", "fast_path"]},
-               "plain", 1e6, "us")
+        print(f"1-float all_reduce inside a rank, 2 ranks, time per call ({calls} calls per sample):")
+        report({n: samples[n] for n in LEDGER_VARIANTS}, "plain", 1e6, "us")
     finally:
         pool.stop()
 
@@ -123,7 +120,7 @@ def without(*, refresh: bool = False, watchdog: bool = False):
         ProcessTree.refresh, torchrun_mod._start_watchdog = orig_refresh, orig_watchdog
 
 
-def oneshot_ablation(rounds: int, rng: random.Random) -> None:
+def oneshot_ablation(rounds: int, rng: random.Random, warm_up: bool = True) -> None:
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="why_cells_"))
     script = tmp / "script.py"
     script.write_text(ONE_SHOT)
@@ -143,7 +140,7 @@ def oneshot_ablation(rounds: int, rng: random.Random) -> None:
                 "without watchdog": library(watchdog=True), "without both": library(refresh=True, watchdog=True)}
     wall: dict[str, list[float]] = {name: [] for name in variants}
     cpu: dict[str, list[float]] = {name: [] for name in variants}
-    for run in variants.values():
+    for run in variants.values() if warm_up else ():
         run()  # warm-up
     for _ in range(rounds):
         names = list(variants)
@@ -160,7 +157,9 @@ def oneshot_ablation(rounds: int, rng: random.Random) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
+    speed = parser.add_mutually_exclusive_group()
+    speed.add_argument("--quick", action="store_true")
+    speed.add_argument("--smoke", action="store_true", help="each variant once: checks the script runs")
     parser.add_argument("parts", nargs="*", help="ledger, oneshot (default: both)")
     args = parser.parse_args()
     args.parts = args.parts or ["ledger", "oneshot"]
@@ -169,9 +168,9 @@ def main() -> None:
     rng = random.Random(0)
     print(f"load average {os.getloadavg()[0]:.2f}", flush=True)
     if "ledger" in args.parts:
-        ledger_ablation(6 if args.quick else 20, rng)
+        ledger_ablation(1 if args.smoke else 6 if args.quick else 20, rng, calls=10 if args.smoke else 1000)
     if "oneshot" in args.parts:
-        oneshot_ablation(3 if args.quick else 8, rng)
+        oneshot_ablation(1 if args.smoke else 3 if args.quick else 8, rng, warm_up=not args.smoke)
     print(f"load average {os.getloadavg()[0]:.2f}")
 
 

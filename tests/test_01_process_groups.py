@@ -14,7 +14,7 @@ import grading_answers as answers
 from course_lib.grading.cells import exercise_cells
 from course_lib.grading.checker import Limits, check_exercise
 from course_lib.grading.registry import exercise, exercises_of_lesson
-from course_lib.grading.report import format_report
+from course_lib.grading.report import item_line
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SOLUTIONS = exercise_cells(nbformat.read(ROOT / "solutions" / "01_process_groups.ipynb", as_version=4))
@@ -30,7 +30,7 @@ def test_lesson_01_has_its_three_exercises_in_both_notebooks():
 @pytest.mark.parametrize("exercise_id", IDS)
 def test_solution_scores_full_marks(exercise_id):
     items = check_exercise(exercise(exercise_id), SOLUTIONS[exercise_id])
-    assert all(item.passed for item in items), format_report(exercise_id, items)
+    assert all(item.passed for item in items), "\n".join(map(item_line, items))
     assert sum(item.score for item in items) == exercise(exercise_id).points > 0
 
 
@@ -84,7 +84,7 @@ WRONG = [
 def test_wrong_answer_loses_the_right_points_and_says_why(exercise_id, source, lost):
     items = check_exercise(exercise(exercise_id), source)
     got = _lost(items)
-    assert sorted(got) == sorted(lost), format_report(exercise_id, items)
+    assert sorted(got) == sorted(lost), "\n".join(map(item_line, items))
     for name, phrase in lost.items():
         assert phrase in got[name], f"{name}: {got[name]!r} lacks {phrase!r}"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .spec import ItemResult
 
-__all__ = ["format_report", "item_line", "score_text"]
+__all__ = ["item_line", "score_text"]
 
 
 def score_text(score: float, max_score: float) -> str:
@@ -16,10 +16,3 @@ def item_line(item: ItemResult) -> str:
     mark = "pass" if item.passed else "FAIL"
     text = f"  {mark}  {item.name} ({score_text(item.score, item.max_score)})"
     return text + (f"\n        {item.message}" if item.message else "")
-
-
-def format_report(exercise_id: str, items: list[ItemResult]) -> str:
-    """A heading with the points, then one line per item: pass/FAIL, name, points, and why."""
-    score = sum(i.score for i in items)
-    total = sum(i.max_score for i in items)
-    return "\n".join([f"{exercise_id}: {score_text(score, total)} points", *map(item_line, items)])
