@@ -6,7 +6,7 @@ Binary units (KiB, MiB, GiB) for what programs allocate and send; decimal units
 
 from __future__ import annotations
 
-__all__ = ["binary_bytes", "decimal_bytes"]
+__all__ = ["binary_bytes", "decimal_bytes", "unit_for"]
 
 _BINARY = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 _DECIMAL = (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3))
@@ -28,3 +28,17 @@ def binary_bytes(n: float, *, significant: int | None = None) -> str:
 def decimal_bytes(n: float, *, significant: int | None = None) -> str:
     """`80 GB`, `13.48 GB` (with significant=4), `500 B`."""
     return _format(n, _DECIMAL, significant)
+
+
+def unit_for(largest: float, *, decimal: bool = False, units: tuple[str, ...] | None = None,
+             min_multiple: float = 1.0) -> tuple[str, float]:
+    """(unit, bytes per unit) an axis or a table column counts in, so that its largest value reads well.
+
+    The biggest unit (of `units`, default all) of which `largest` holds at least `min_multiple`;
+    below them all, the smallest of `units` (or bytes): `unit_for(3e9, decimal=True) == ("GB", 1e9)`.
+    """
+    table = [(unit, size) for unit, size in (_DECIMAL if decimal else _BINARY) if units is None or unit in units]
+    for unit, size in table:
+        if largest >= min_multiple * size:
+            return unit, size
+    return table[-1] if units is not None and table else ("B", 1)

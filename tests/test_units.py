@@ -1,6 +1,6 @@
 """Byte counts as printed in lines and figure labels (course_lib/units.py)."""
 
-from course_lib.units import binary_bytes, decimal_bytes
+from course_lib.units import binary_bytes, decimal_bytes, unit_for
 
 
 def test_binary_units_for_what_programs_allocate_and_send():
@@ -11,3 +11,12 @@ def test_binary_units_for_what_programs_allocate_and_send():
 def test_decimal_units_for_memory_as_sold():
     assert [decimal_bytes(n) for n in (999, 1000, 80e9, 2.5e12)] == ["999 B", "1 kB", "80 GB", "2.5 TB"]
     assert decimal_bytes(13_477_000_000, significant=4) == "13.48 GB"
+
+
+def test_unit_for_an_axis_or_a_column():
+    assert unit_for(3 * 2**20) == ("MiB", 2**20)
+    assert unit_for(1.5 * 2**20, min_multiple=2) == ("KiB", 2**10)  # two units at least, for readable ticks
+    assert unit_for(100) == ("B", 1)
+    assert unit_for(3e9, decimal=True, units=("GB", "MB")) == ("GB", 1e9)
+    assert unit_for(2e12, decimal=True, units=("GB", "MB")) == ("GB", 1e9)  # TB not among the units
+    assert unit_for(5e3, decimal=True, units=("GB", "MB")) == ("MB", 1e6)  # below them all: the smallest

@@ -19,9 +19,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .figures import CATEGORY_COLORS, new_figure, show
 from ..measure.memory import EXACT, PHASES, named_shapes, predict_step, unit_prefixes
+from ..units import unit_for
 from ..vocabulary import STRATEGIES
+from .figures import CATEGORY_COLORS, new_figure, show
 
 __all__ = ["MemoryRow", "MemoryView", "show_memory"]
 
@@ -139,14 +140,6 @@ def _table(rows: list[MemoryRow], theory: dict) -> str:
     return "\n".join(lines)
 
 
-def _unit(largest: float) -> tuple[str, int]:
-    """The unit the axis counts in: B, KiB, MiB or GiB, whichever keeps the largest bar readable."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if largest >= 2 * size:
-            return unit, size
-    return "B", 1
-
-
 def _draw(rows: list[MemoryRow], title: str) -> Any:
     from matplotlib.patches import Patch, Rectangle
 
@@ -158,7 +151,7 @@ def _draw(rows: list[MemoryRow], title: str) -> Any:
     bars: dict[tuple, int] = {}
     for r in rows:
         bars[(r.strategy, r.rank, r.phase)] = bars.get((r.strategy, r.rank, r.phase), 0) + r.measured
-    unit, size = _unit(max(bars.values(), default=0))
+    unit, size = unit_for(max(bars.values(), default=0), min_multiple=2)  # at least 2 units: readable ticks
     for ax, strategy in zip(axes, strategies):
         n = len(ranks[strategy])
         width = 0.8 / n

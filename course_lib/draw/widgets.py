@@ -23,7 +23,7 @@ from typing import Any, Callable
 import ipywidgets as widgets
 
 from ..measure.simulate import GPU_BYTES
-from ..units import decimal_bytes
+from ..units import decimal_bytes, unit_for
 from ..vocabulary import OPTIMIZERS, PRECISIONS, STAGE_LABELS, zero_stage
 from .figures import CATEGORY_COLORS, new_figure, png_bytes
 
@@ -95,15 +95,11 @@ def memory_comparison(num_params: int, world_size: int, *, precision: str = "bf1
             "memory": memory, "comm": comm, "comm_total": {k: sum(v.values()) for k, v in comm.items()}}
 
 
-def _unit(largest: float) -> tuple[float, str]:
-    return (1e9, "GB") if largest >= 1e9 else (1e6, "MB")
-
-
 def _memory_view(*, model: int, world_size: int, strategy: int, precision: str, optimizer: str):
     data = memory_comparison(model, world_size, precision=precision, optimizer=optimizer)
     chosen = STAGE_LABELS[strategy]
     data.update(strategy=chosen, stage=strategy)
-    scale, unit = _unit(max(m["total"] for m in data["memory"].values()))
+    unit, scale = unit_for(max(m["total"] for m in data["memory"].values()), decimal=True, units=("GB", "MB"))
     bpp = data["bytes_per_param"]
     lines = [f"{_human(model)} parameters on {world_size} ranks, {precision}, {optimizer}: "
              f"{sum(bpp.values())} bytes per parameter ({bpp['params']} + {bpp['grads']} + {bpp['optimizer']})",
