@@ -126,6 +126,8 @@ def test_a_non_editable_install_carries_every_module(tmp_path):
         print(course_lib.__file__)
         sys.exit(f"missing: {{missing}}" if missing else 0)
     """)
-    done = subprocess.run([str(python), "-c", check], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    # No PYTHONPATH: the fresh venv must find the package it installed, not a checkout.
+    done = subprocess.run([str(python), "-c", check], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={"PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stdout + done.stderr
     assert str(venv) in done.stdout  # the installed copy, not this checkout
