@@ -22,8 +22,11 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -e ".[test]"
 	touch $@
 
+# As root (workshop containers, cloud notebooks) Jupyter refuses to start without --allow-root.
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
+
 lab: install
-	HF_HUB_OFFLINE=1 $(BIN)/jupyter lab notebooks/00_setup.ipynb
+	HF_HUB_OFFLINE=1 $(BIN)/jupyter lab $(ROOT_FLAG) notebooks/00_setup.ipynb
 
 test: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest

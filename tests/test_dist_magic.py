@@ -554,3 +554,14 @@ def test_kernel_shutdown_while_a_pool_runs_leaves_nothing(kernel):
     assert still_alive([kernel_proc], timeout_s=10) == []
     assert still_alive(procs, timeout_s=5) == []
     assert marked_processes(kernel.mark) == []
+
+
+def test_header_counts_one_rank_in_the_singular():
+    from types import SimpleNamespace
+
+    from course_lib.backend_choice import BackendChoice
+    from course_lib.magics.dist_magic import _header
+
+    pool = SimpleNamespace(nproc=1, choice=BackendChoice("nccl", "cuda", "1 GPU found, one per rank"))
+    assert _header(pool, None) == "[dist] 1 rank, backend nccl on cuda"
+    assert _header(SimpleNamespace(nproc=4, choice=pool.choice), [0, 2]) == "[dist] ranks 0, 2 of 4, backend nccl on cuda"

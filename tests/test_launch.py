@@ -40,3 +40,10 @@ def test_hello_runs_under_plain_torchrun(nproc):
     ]
     assert f"all_reduce(SUM) = {nproc * (nproc + 1) // 2}, expected {nproc * (nproc + 1) // 2}: ok" in lines
     assert "OMP_NUM_THREADS" not in proc.stderr  # the launcher sets it, so torchrun does not warn
+
+
+def test_make_lab_starts_jupyter_as_root_when_run_as_root():
+    # Workshop containers and cloud notebooks run as root, where Jupyter refuses to start without --allow-root.
+    dry = subprocess.run(["make", "-n", "lab"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    command = next(line for line in dry.stdout.splitlines() if "jupyter lab" in line)
+    assert ("--allow-root" in command) == (os.geteuid() == 0)

@@ -62,7 +62,8 @@ def _parse_ranks(text: str | None, nproc: int) -> list[int] | None:
 
 
 def _header(pool: Pool, ranks: list[int] | None) -> str:
-    who = f"{pool.nproc} ranks" if ranks is None else f"ranks {', '.join(map(str, ranks))} of {pool.nproc}"
+    everyone = "1 rank" if pool.nproc == 1 else f"{pool.nproc} ranks"
+    who = everyone if ranks is None else f"ranks {', '.join(map(str, ranks))} of {pool.nproc}"
     return f"[dist] {who}, backend {pool.choice.backend} on {pool.choice.device_type}"
 
 
