@@ -49,8 +49,12 @@ SUBMISSIONS = {
                                "            dist.send(one, (rank + 1) % world)\n"
                                "        else:\n"
                                "            dist.recv(one, (rank - 1) % world)\n",
-    # Asks for 8 GiB: over the address-space limit (4 GiB), so the allocation fails at once.
+    # Asks for 8 GiB: over the memory limit (4 GiB), so the allocation fails at once.
     "g3_hogs_memory": HEADER + "def ring_allreduce(tensor):\n    torch.empty(2**31)\n",
+    # Reserves 64 GiB of address space it never uses (PROT_NONE), as a CUDA build of torch does:
+    # not memory, so it grades like the plain solution.
+    "g4_reserves_address_space": answers.RING_SOLUTION + "\nimport mmap\n_reserved = mmap.mmap(-1, 64 << 30, "
+                                 "flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=0)\n",
     # Goes below torch.distributed to the dispatcher op, which nothing in Python can block:
     # the ledger shows no send, so the sums cannot have come from a ring.
     "g_dispatcher_op": HEADER + "import torch.distributed.distributed_c10d as c10d\n"
@@ -169,8 +173,8 @@ def test_hanging_submission_scores_zero_within_its_deadlines(graded):
     assert results["b_hangs"]["score"] == 0
     assert all(f"did not finish within {RUN_TIMEOUT_S} s" in t["output"] for t in tests.values())
     assert "running Python at cell line 8" in tests["sums float32 tensors on 2 ranks"]["output"]
-    # 3 runs stopped at the deadline, 7 more submissions of ~3 launches each: well under 10 min.
-    assert elapsed < 3 * (RUN_TIMEOUT_S + 5) + 7 * 3 * 15
+    # 3 runs stopped at the deadline, 8 more submissions of ~3 launches each: well under 10 min.
+    assert elapsed < 3 * (RUN_TIMEOUT_S + 5) + 8 * 3 * 15
 
 
 @pytest.mark.parametrize("name, phrase", [
@@ -181,12 +185,18 @@ def test_hanging_submission_scores_zero_within_its_deadlines(graded):
     ("g_dispatcher_op", "no isend or send call was recorded"),
     ("g2_fakes_sends", "sent only 4 B of a 40 B tensor with send/isend"),
     ("g3_hogs_memory", "can't allocate memory"),
+    ("g3_hogs_memory", "(memory limit: a rank may use at most 4 GiB)"),
 ])
 def test_failing_submissions_score_zero_with_a_reason(graded, name, phrase):
     result = graded[4][name]
     assert result["score"] == 0
     first = result["tests"][0]["output"]
     assert phrase in first, first
+
+
+def test_reserved_address_space_is_not_memory(graded):
+    results = graded[4]
+    assert results["g4_reserves_address_space"]["score"] == results["a_good"]["score"] > 0
 
 
 def test_flooding_submission_keeps_results_small(graded):

@@ -21,6 +21,7 @@ import tempfile
 from ..launcher.torchrun import LaunchResult, run_torchrun
 from . import rank_runner
 from .rank_runner import EXIT_NO_FUNCTION
+from ..units import binary_bytes
 from .spec import CaseResult, Exercise, ItemResult, Limits, RunOutcome, RunSpec
 
 __all__ = ["check_exercise", "submission_source"]
@@ -75,7 +76,7 @@ def _check_run(exercise: Exercise, run: RunSpec, cell_source: str, limits: Limit
             run.nproc, backend="gloo", timeout_s=timeout_s, cwd=str(work),
         )
         output = _trimmed_output(launch)
-        failure = _launch_failure(run, launch, timeout_s, limits.file_bytes)
+        failure = _launch_failure(run, launch, timeout_s, limits)
         outcome = None if failure else _load_outcome(job_dir, run, inputs, launch)
         if outcome is None and not failure:
             failure = "the ranks finished but did not all send their results back"
@@ -136,7 +137,7 @@ def _rule_broken(exercise: Exercise, outcome: RunOutcome) -> str:
 _CELL_LINE = re.compile(r'File "<cell>", line (\d+)')
 
 
-def _launch_failure(run: RunSpec, launch: LaunchResult, timeout_s: float, file_bytes: int) -> str:
+def _launch_failure(run: RunSpec, launch: LaunchResult, timeout_s: float, limits: Limits) -> str:
     """Why a run did not finish normally, in one line naming the rank; "" if it did."""
     if launch.timed_out:
         stuck = "; ".join(launch.diagnosis) if launch.diagnosis else "ranks " + ", ".join(map(str, launch.unfinished))
@@ -158,7 +159,9 @@ def _launch_failure(run: RunSpec, launch: LaunchResult, timeout_s: float, file_b
     at = f" at cell line {where[-1]}" if where else ""
     last = lines[-1] if lines else "no error message"
     if "[Errno 27] File too large" in last:  # RLIMIT_FSIZE: Python ignores SIGXFSZ, so writes fail
-        last += f" (a rank may write at most {file_bytes / 2**20:g} MiB: print less)"
+        last += f" (a rank may write at most {binary_bytes(limits.file_bytes)}: print less)"
+    if "can't allocate memory" in last or last.startswith("MemoryError"):  # RLIMIT_DATA: allocations fail
+        last += f" (memory limit: a rank may use at most {binary_bytes(limits.memory_bytes)})"
     if "Traceback (most recent call last):" in err:
         return f"rank {rank} raised{at}: {last}"
     return f"rank {rank} exited with code {code}: {last}"

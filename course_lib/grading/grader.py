@@ -167,7 +167,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--run-timeout", type=float, help="deadline of every run in seconds, replacing each "
                                                           "run's own (20-30 s); raise it on slow machines")
     parser.add_argument("--memory-gib", type=float, default=Limits.memory_bytes / 2**30,
-                        help="address-space limit per rank (default: %(default)g)")
+                        help="memory a rank may use, heap and private mappings (default: %(default)g)")
     return parser
 
 

@@ -8,8 +8,8 @@ shares this process:
 2. start the process group;
 3. barrier: no rank goes on before every rank has deleted its inputs (so the
    learner's code cannot read another rank's inputs instead of communicating);
-4. resource limits (CPU seconds, address space, bytes written to any file,
-   which also caps output: a rank that prints megabytes is stopped by SIGXFSZ);
+4. resource limits (CPU seconds, memory, bytes written to any file, which
+   also caps output: a rank that prints megabytes is stopped by SIGXFSZ);
 5. block the torch.distributed calls the exercise does not allow;
 6. run the cell, find the function, call it through the exercise's driver per
    case, timing each case so the checker can split the ledger by case;
@@ -45,7 +45,10 @@ def _apply_limits(job: dict) -> None:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     used_cpu = int(usage.ru_utime + usage.ru_stime) + 1
     _limit(resource.RLIMIT_CPU, used_cpu + int(job["cpu_s"]))
-    _limit(resource.RLIMIT_AS, int(job["memory_bytes"]))
+    # Memory a rank really uses (RLIMIT_DATA: heap and private writable mappings), not its address
+    # space: a CUDA build of torch reserves tens of GiB it never touches (PROT_NONE), and under
+    # RLIMIT_AS every rank died before the learner's code ran.
+    _limit(resource.RLIMIT_DATA, int(job["memory_bytes"]))
     _limit(resource.RLIMIT_FSIZE, int(job["file_bytes"]))
 
 

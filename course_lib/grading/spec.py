@@ -90,7 +90,7 @@ class Exercise:
 class Limits:
     """What each rank of a check may use (see rank_runner)."""
 
-    memory_bytes: int = 4 << 30  # address space; torch + gloo alone map about 0.75 GiB
+    memory_bytes: int = 4 << 30  # data segment (RLIMIT_DATA); torch + gloo on CPU use about 0.25 GiB of it
     file_bytes: int = 16 << 20  # per file written, which includes the rank's output log
     run_timeout_s: float | None = None  # replaces every run's own deadline (slow machines, tests)
 
