@@ -8,6 +8,7 @@ from `course_lib.backend_choice` decides here.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import faulthandler
@@ -23,6 +24,7 @@ __all__ = [
     "DistInfo",
     "backend",
     "device",
+    "destroy_process_group_at_exit",
     "dump_stacks_on_signal",
     "init",
     "instrument",
@@ -112,6 +114,35 @@ def record_collectives() -> None:
     ledger.install(os.path.join(results_dir, ledger_file(rank)))
 
 
+def _destroy_if_open() -> None:
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the process is ending anyway; a broken group must not add a traceback
+        pass
+
+
+_destroy_registered = False
+
+
+def destroy_process_group_at_exit() -> None:
+    """At exit, destroy the default process group if the program left it open (idempotent).
+
+    A learner's script that forgets `dist.destroy_process_group()` must still end
+    cleanly: on torch 2.13 a gloo group left open aborts the process at exit in
+    some runs ("terminate called without an active exception", SIGABRT after
+    correct results), and NCCL warns that destroy_process_group() was not called.
+    """
+    global _destroy_registered
+    if not _destroy_registered:
+        atexit.register(_destroy_if_open)
+        _destroy_registered = True
+
+
 def init(*, timeout_s: float = 60.0) -> DistInfo:
     """Start the default process group with the course's backend and device.
 
@@ -124,6 +155,7 @@ def init(*, timeout_s: float = 60.0) -> DistInfo:
 
     _require_torchrun()
     instrument()
+    destroy_process_group_at_exit()
     choice = _choice()
     dev = device()
     if dev.type == "cuda":

@@ -10,8 +10,10 @@ stuck rank should still show its stack. So the launcher writes the script as
 and this module (1) registers the SIGUSR1 stack dump at once, and (2) wraps
 the collectives the moment `torch.distributed.distributed_c10d` finishes
 loading, before `torch.distributed` copies their names (`from
-.distributed_c10d import *`). Importing torch here instead would cost a cell
-that never uses torch a second; waiting for the import costs nothing.
+.distributed_c10d import *`), and arranges for the default process group to
+be destroyed at exit if the cell leaves it open. Importing torch here instead
+would cost a cell that never uses torch a second; waiting for the import
+costs nothing.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import importlib.machinery
 import sys
 from typing import Callable
 
-from . import dump_stacks_on_signal, record_collectives
+from . import destroy_process_group_at_exit, dump_stacks_on_signal, record_collectives
 
 C10D = "torch.distributed.distributed_c10d"
 
@@ -54,13 +56,18 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _on_distributed_loaded() -> None:
+    record_collectives()
+    destroy_process_group_at_exit()  # a cell that forgets destroy_process_group() still ends cleanly
+
+
 def install() -> None:
-    """Stack dumps now; the ledger when torch.distributed loads (or now, if it already has)."""
+    """Stack dumps now; the ledger and the exit-time destroy when torch.distributed loads (or now, if it has)."""
     dump_stacks_on_signal()
     if C10D in sys.modules:
-        record_collectives()
+        _on_distributed_loaded()
     elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport(C10D, record_collectives))
+        sys.meta_path.insert(0, _AfterImport(C10D, _on_distributed_loaded))
 
 
 install()
