@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import subprocess
+import sys
 import textwrap
 import threading
 import time
@@ -22,6 +24,20 @@ from course_lib.launcher.torchrun import LaunchResult, run_torchrun
 
 MARK_VAR = "COURSE_LIB_TEST_MARK"
 SAMPLE_S = 0.05  # how often the ledger records descendants during a launch
+
+
+def torch_import_s() -> float:
+    """Seconds a fresh interpreter takes to `import torch.distributed` on this machine, now (under its current load)."""
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-c", "import torch.distributed"], check=True, timeout=300)
+    return time.monotonic() - started
+
+
+def startup_deadline_s(imports: int = 1) -> float:
+    """A deadline by which torchrun's ranks have surely reached their own code: torchrun's agent imports
+    torch, and so does each rank `imports` times in a row (0: the rank imports only course_lib). Twice
+    the measured time plus a second, never below 3 s: tests must not assume `import torch` is fast."""
+    return max(3.0, 2 * torch_import_s() * (1 + imports) + 1.0)
 
 
 def new_mark() -> str:
@@ -133,6 +149,7 @@ class Launch:
     names: dict[int, str]  # their process names
     chunks: list[tuple[int, str, str]]  # what on_output received, in order
     leftovers: list[str]  # processes of this launch alive afterwards (killed by the helper)
+    timeout_s: float = 60.0  # the launch's deadline
 
 
 def launch(script: str, nproc: int, *, timeout_s: float = 60.0, backend: str = "gloo", cwd: str | None = None) -> Launch:
@@ -154,7 +171,7 @@ def launch(script: str, nproc: int, *, timeout_s: float = 60.0, backend: str = "
     left = still_alive(list(candidates.values()), timeout_s=1.0)
     leftovers = describe(left)
     kill_quietly(left)
-    return Launch(result, elapsed, dict(ledger.seen), dict(ledger.names), chunks, leftovers)
+    return Launch(result, elapsed, dict(ledger.seen), dict(ledger.names), chunks, leftovers, timeout_s)
 
 
 @contextlib.contextmanager

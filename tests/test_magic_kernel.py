@@ -9,6 +9,7 @@ ledger records the kernel's descendants while each cell runs.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import pathlib
 import queue
@@ -22,7 +23,10 @@ from jupyter_client import KernelManager
 from course_lib.backend_choice import choose_backend, gpu_count
 from course_lib.magics.args import parse_line
 from course_lib.magics.torchrun_magic import DEFAULT_TIMEOUT_S, TorchrunMagics
-from proc_helpers import MARK_VAR, DescendantLedger, describe, kill_quietly, marked_processes, new_mark, no_new_children, still_alive
+from proc_helpers import (
+    MARK_VAR, DescendantLedger, describe, kill_quietly, marked_processes, new_mark, no_new_children, startup_deadline_s,
+    still_alive,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 HEADER_2 = choose_backend(2).header(2)
@@ -326,16 +330,18 @@ def test_failing_cell_leaves_no_process_and_kernel_works(kernel, failing_cell):
 
 
 def test_deadline_cell_returns_in_time_naming_the_ranks(kernel):
+    deadline = math.ceil(startup_deadline_s(imports=0))  # the ranks reach line 4 by then, even on a busy machine
     cell = kernel.execute(
-        "%%torchrun -n 2 --timeout 3\n"
+        f"%%torchrun -n 2 --timeout {deadline}\n"
         "import time\n"
         'print("started", flush=True)\n'
         "time.sleep(60)\n",
-        timeout_s=30,
+        timeout_s=deadline + 30,
     )
-    assert cell.elapsed_s < 3 + 5
+    assert cell.elapsed_s < deadline + 5
     error = _single_line_traceback(cell, "RankFailure")
-    assert error["evalue"] == "deadline of 3 s passed; ranks still running: 0, 1; every process of this cell was killed"
+    assert error["evalue"] == (f"deadline of {deadline} s passed; ranks still running: 0, 1; "
+                               "every process of this cell was killed")
     # The cell never imports course_lib, yet its stacks say where each rank is (the hook on line 1).
     assert cell.text("stdout").splitlines()[-2:] == [
         "exit: ranks 0, 1 -> still running, killed",
