@@ -91,12 +91,11 @@ class Kernel:
                 if during is not None:
                     during(outputs, updates, time.monotonic() - started)
             elapsed = time.monotonic() - started
+        # The reply to this request, matched by its parent's id: other replies may come first (wait_for_ready
+        # asks for kernel_info every second until one answer comes, and a busy kernel answers late).
         reply = self.kc.get_shell_msg(timeout=10)
-        # wait_for_ready asks for kernel_info every second until one answer comes: on a busy
-        # machine a second answer arrives later, ahead of the first cell's reply.
-        while reply["msg_type"] == "kernel_info_reply":
+        while reply["parent_header"].get("msg_id") != msg_id:
             reply = self.kc.get_shell_msg(timeout=10)
-        assert reply["parent_header"]["msg_id"] == msg_id
         left = still_alive(list(ledger.seen.values()) + self.cell_processes(), timeout_s=1.0)
         leftovers = describe(left)
         kill_quietly(left)
