@@ -147,7 +147,7 @@ def comm_table(ledgers: dict[int, list[dict]], *, steps: str | int = "barrier", 
     """Bytes and counts per (rank, step, op, group) from `{rank: ledger entries}` (see `split_steps`)."""
     calls = {}
     for rank, entries in ledgers.items():
-        canon = [{**e, "op": canonical_op(e["op"]), "ledger_op": e["op"]} for e in entries]
+        canon = [{**e, "op": canonical_op(e["op"]), "ledger_op": e.get("call", e["op"])} for e in entries]
         calls[int(rank)] = split_steps(canon, steps=steps, group=group)
     return CommTable(calls)
 

@@ -4,11 +4,14 @@
 `course_lib.vocabulary.RECORDED_OPS` names (all_reduce, broadcast, send, ...).
 Each call appends one JSON line when it starts and one when it returns,
 straight to the file (no buffering), so the record survives a rank that hangs
-or is killed mid-collective. `op` is the function's own name
-(`vocabulary.canonical_op` gives the course's). The kernel reads the files:
+or is killed mid-collective. `op` is the course's name for the collective,
+the same on every torch version (`vocabulary.canonical_op`: torch 2.11's
+`all_gather_into_tensor` and 2.13's `all_gather_single` are both
+`all_gather_single`); `call` is the function the program called. The kernel
+reads the files:
 
-    {"seq": 7, "op": "all_reduce", "group": "world", "shapes": [[1024]], "dtype": "float32",
-     "bytes": 4096, "start": 12.345, "async": false}          # entered
+    {"seq": 7, "op": "all_reduce", "call": "all_reduce", "group": "world", "shapes": [[1024]],
+     "dtype": "float32", "bytes": 4096, "start": 12.345, "async": false}     # entered
     {"seq": 7, "end": 12.349}                                  # returned
     {"seq": 7, "end": 12.349, "error": "RuntimeError"}         # ... or raised
 
@@ -29,7 +32,7 @@ import threading
 import time
 from typing import Any
 
-from ..vocabulary import ALWAYS_ASYNC, RECORDED_OPS
+from ..vocabulary import ALWAYS_ASYNC, RECORDED_OPS, canonical_op
 
 __all__ = ["LedgerReader", "install", "read_ledger"]
 
@@ -82,6 +85,7 @@ class _Recorder:
         group_index = params.index("group") if "group" in params else None
         async_index = params.index("async_op") if "async_op" in params else None
         always_async = name in ALWAYS_ASYNC
+        op = canonical_op(name)
         fd, seqs, lock = self.fd, self.seq, self.lock
 
         @functools.wraps(fn)
@@ -97,7 +101,7 @@ class _Recorder:
             shapes = [list(t.shape) for t in tensors]
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
             os.write(fd, (
-                f'{{"seq":{seq},"op":"{name}","group":"{group}","shapes":{shapes},"dtype":{dtype},'
+                f'{{"seq":{seq},"op":"{op}","call":"{name}","group":"{group}","shapes":{shapes},"dtype":{dtype},'
                 f'"bytes":{nbytes},"start":{time.monotonic()!r},"async":{"true" if is_async else "false"}}}\n'
             ).encode())
             _state.depth = 1
