@@ -107,9 +107,11 @@ RECORDED_OPS = (
     "barrier", "monitored_barrier",
     "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
 )
-# Recorded functions an older torch lacks, and the torch version that has them: the ledger wraps
-# what this torch has (tests/test_vocabulary.py checks every other name exists).
-OPS_SINCE = {"all_gather_single": (2, 13), "reduce_scatter_single": (2, 13)}
+# Names an older torch lacks, and the torch version that has them: the ledger wraps what this torch
+# has (tests/test_vocabulary.py checks every other name exists). On 2.11 the coalesced flat forms are
+# only the ProcessGroup methods allgather_into_tensor_coalesced / reduce_scatter_tensor_coalesced.
+OPS_SINCE = {"all_gather_single": (2, 13), "reduce_scatter_single": (2, 13),
+             "all_gather_single_coalesced": (2, 13), "reduce_scatter_single_coalesced": (2, 13)}
 
 # What FSDP2 (and FSDP1's reduce-scatter) call in torch 2.13, so the names a ledger records for them.
 # NOTE: FSDP1 on CPU all-gathers with the list form, `dist.all_gather(tensor_list, shard)`.
