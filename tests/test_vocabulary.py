@@ -17,7 +17,7 @@ from torch._C import _distributed_c10d as cpp
 from course_lib import theory
 from course_lib.measure.simulate_worker import make_optimizer
 from course_lib.vocabulary import (
-    CANONICAL_OPS, DATA_FLOWS, FSDP_ALL_GATHER_OP, FSDP_REDUCE_SCATTER_OP, LOW_PRECISION_DTYPES, OPS_SINCE,
+    CANONICAL_OPS, DATA_FLOWS, FSDP_ALL_GATHER_OP, FSDP_REDUCE_SCATTER_OP, LOW_PRECISION_DTYPES, METHODS_SINCE, OPS_SINCE,
     OPTIMIZER_STATES, OPTIMIZERS, PRECISIONS, PROCESS_GROUP_METHODS, RECEIVES, RECORDED_OPS, SENDS, STAGE_LABELS,
     STRATEGIES, ZERO_STAGES, _CANONICAL, canonical_op, data_flow, process_group_methods, zero_stage,
 )
@@ -93,6 +93,9 @@ def test_every_c10d_dispatcher_op_has_a_course_name():
 
 def test_process_group_methods_are_the_ones_this_torch_has():
     for method in PG_METHODS:
+        if method in METHODS_SINCE and TORCH_VERSION < METHODS_SINCE[method]:
+            assert not hasattr(cpp.ProcessGroup, method), f"{method} exists before {METHODS_SINCE[method]}"
+            continue
         assert hasattr(cpp.ProcessGroup, method), method
     # Every collective-looking method of the C++ group is listed (a learner could call it directly).
     looks_collective = re.compile(r"gather|scatter|reduce|all|broadcast|barrier|send|recv")

@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 
 from .. import theory
 from ..vocabulary import OPTIMIZER_STATES, STRATEGIES, ZERO_STAGES
+from .sharding import fsdp2_param_groups
 
 __all__ = ["CATEGORIES", "EXACT", "PHASES", "measure_step", "named_shapes", "predict_step", "unit_prefixes",
            "zero1_partition"]
@@ -66,12 +67,8 @@ def _storage_bytes(tensors: Any) -> int:
 
 def _fsdp2_params(model: Any) -> list:
     """FSDP2's per-parameter records (`FSDPParam`) of every `fully_shard`-ed module, or []."""
-    out = []
-    for module in model.modules():
-        get_state = getattr(module, "_get_fsdp_state", None)
-        group = get_state()._fsdp_param_group if get_state else None
-        out += list(group.fsdp_params) if group else []
-    return out
+    return [fsdp_param for module in model.modules() for group in fsdp2_param_groups(module)
+            for fsdp_param in group.fsdp_params]
 
 
 def _exact(model: Any, optimizer: Any, strategy: str) -> dict[str, int]:

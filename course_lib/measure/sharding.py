@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["check_sharding", "clean_name", "mesh_of", "sharding_of"]
+__all__ = ["check_sharding", "clean_name", "fsdp2_param_groups", "mesh_of", "sharding_of"]
 
 # Wrapper modules insert these into parameter names; the learner thinks in the original names.
 _WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
@@ -74,16 +74,27 @@ def _replicated(name: str, p: Any, placements=()) -> dict:
                   placements=placements, mesh_dims=["dp"] * len(placements))
 
 
+def fsdp2_param_groups(module: Any) -> list:
+    """The FSDP2 parameter groups (`FSDPParamGroup`) of one `fully_shard`-ed module; [] for any other module.
+
+    NOTE: private FSDP2 state, read only: torch 2.13 keeps a list of groups per module
+    (`_fsdp_param_groups`), torch 2.11 one group or None (`_fsdp_param_group`).
+    """
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if get_state is None:
+        return []
+    state = get_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        groups = [state._fsdp_param_group] if getattr(state, "_fsdp_param_group", None) else []
+    return list(groups)
+
+
 def _fsdp2_padding(model: Any) -> tuple[dict[int, int], int]:
     """id(sharded parameter) -> elements FSDP2 pads its shard with; and the FSDP mesh's ndim."""
-    from torch.distributed.fsdp import FSDPModule
-
     padding, fsdp_ndim = {}, 0
     for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        state = module._get_fsdp_state()  # NOTE: private FSDP2 state, read only (torch 2.13)
-        for group in getattr(state, "_fsdp_param_groups", None) or []:
+        for group in fsdp2_param_groups(module):
             fsdp_ndim = max(fsdp_ndim, group.mesh_info.mesh.ndim)
             for fp in group.fsdp_params:
                 padding[id(fp.sharded_param)] = fp.padded_sharded_param_size.numel() - fp.sharded_size.numel()
