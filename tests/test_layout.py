@@ -107,8 +107,9 @@ def test_a_non_editable_install_carries_every_module(tmp_path):
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source)
     wheels = tmp_path / "wheels"
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                            "-w", str(wheels), str(source)], capture_output=True, text=True, timeout=300)
+    # With build isolation, as `pip install .` builds: pyproject's own build requirements, not this venv's.
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(source)],
+                           capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr
     (wheel,) = wheels.glob("course_lib-*.whl")
     in_wheel = {name for name in zipfile.ZipFile(wheel).namelist() if name.endswith(".py")}
