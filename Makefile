@@ -2,23 +2,34 @@
 # make test  install (first time only) and run every test, notebooks included
 # make exercises  regenerate exercises/ from solutions/ (course authors)
 #
-# TORCH_SPEC picks the PyTorch build. The default is the version the course is
-# tested with; override it to use another, e.g. `make lab TORCH_SPEC="torch>=2.6"`.
-PYTHON     ?= python3
-VENV       ?= .venv
-TORCH_SPEC ?= torch==2.13.0
-BIN        := $(VENV)/bin
+# TORCH_SPEC picks the PyTorch build. The default is the version CI tests; another
+# gets a venv of its own, so two versions never mix:
+#   make test TORCH_SPEC=torch==2.15.0        -> .venv-torch__2.15.0
+#   make test TORCH_SPEC=preinstalled         -> .venv-preinstalled, using the torch
+#                                                PYTHON already has (a GPU node's build)
+PYTHON        ?= python3
+DEFAULT_TORCH := torch==2.13.0
+TORCH_SPEC    ?= $(DEFAULT_TORCH)
+VENV          ?= $(if $(filter $(DEFAULT_TORCH),$(TORCH_SPEC)),.venv,.venv-$(shell printf '%s' '$(TORCH_SPEC)' | tr -c 'A-Za-z0-9._-' '_'))
+BIN           := $(VENV)/bin
+ifeq ($(TORCH_SPEC),preinstalled)
+VENV_FLAGS    := --system-site-packages
+INSTALL_TORCH := $(BIN)/python -c "import torch; print('using the preinstalled torch', torch.__version__)"
+else
+VENV_FLAGS    :=
+INSTALL_TORCH := $(BIN)/python -m pip install "$(TORCH_SPEC)"
+endif
 
 .PHONY: install lab test notebooks exercises clean
 
 install: $(VENV)/.installed
 
-# Torch is installed on its own first so that the package's range (torch>=2.6)
+# Torch is installed on its own first so that the package's range (pyproject.toml)
 # is already met and pip does not fetch a different build.
 $(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
-	$(BIN)/python -m pip install "$(TORCH_SPEC)"
+	$(INSTALL_TORCH)
 	$(BIN)/python -m pip install -e ".[test]"
 	touch $@
 

@@ -33,3 +33,8 @@ def test_why_cells_cost_runs():
 def test_bench_cells_runs():
     out = _smoke("bench_cells.py", timeout_s=600)
     assert "one-shot 4 MiB all_reduce script" in out and "Where run_torchrun's time goes" in out
+
+
+def test_bench_grading_runs():
+    out = _smoke("bench_grading.py", timeout_s=300)
+    assert "submissions/min" in out and "--jobs 2" in out

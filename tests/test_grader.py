@@ -277,7 +277,28 @@ def test_killed_grader_resumes_without_losing_results(tmp_path):
     assert rows == [f"s{i},{RING_POINTS},{RING_POINTS},{RING_POINTS}" for i in range(3)]
 
 
+def test_jobs_2_grades_two_at_a_time_and_still_blames_the_tampering_one(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    names = ["p1_good", "p2_tampers", "p3_good"]
+    tamper = HEADER + "import pathlib\n\ndef ring_allreduce(tensor):\n" \
+                      f"    pathlib.Path({str(out / 'planted.txt')!r}).write_text('x')\n"
+    paths = [_write(tmp_path, names[0], answers.RING_SOLUTION), _write(tmp_path, names[1], tamper),
+             _write(tmp_path, names[2], answers.RING_SOLUTION)]
+    mark = new_mark()
+    proc = _grade(*map(str, paths), "--out", str(out), "--exercises", RING, "--jobs", "2",
+                  "--run-timeout", str(RUN_TIMEOUT_S), env_mark=mark)
+    _nothing_left(mark)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[:3] == [f"p1_good: {RING_POINTS}/{RING_POINTS}",
+                                            f"p2_tampers: 0/{RING_POINTS}", f"p3_good: {RING_POINTS}/{RING_POINTS}"]
+    tampered = json.loads((out / "p2_tampers" / "results.json").read_text())
+    assert "changed the grader's files" in tampered["output"]
+    assert not (out / "planted.txt").exists()
+
+
 @pytest.mark.parametrize("args, message", [
+    (["exercises", "--jobs", "0"], "error: --jobs must be at least 1, got 0"),
     (["missing.ipynb"], "error: no such submission file or folder: missing.ipynb"),
     (["exercises", "--exercises", "01.nope"], "error: no exercise '01.nope'; known: "),
     (["exercises", "--hidden", "no_such_dir"], "error: hidden checks folder not found: no_such_dir"),

@@ -1,7 +1,8 @@
 """Run an exercise's checks on a learner's cell: real ranks, then judged in this process.
 
-`check_exercise(exercise, source)` launches each of the exercise's runs with
-`run_torchrun` (gloo, its own deadline) on `rank_runner.main`, loads what the
+`check_exercise(exercise, source)` gives each of the exercise's runs to a set of
+grading ranks (rank_set.py: real processes, a gloo group per run, its own
+deadline; one set serves every run of a submission), loads what the
 ranks sent back (`torch.load(weights_only=True)`: data only, never the
 learner's objects), splits each rank's collective ledger by case, and lets
 every item's judge compare against the reference it computes here. A run
@@ -18,13 +19,13 @@ import shutil
 import signal
 import tempfile
 
-from ..launcher.torchrun import LaunchResult, run_torchrun
-from . import rank_runner
+from ..launcher.torchrun import LaunchResult
 from .rank_runner import EXIT_NO_FUNCTION
+from .rank_set import RankSet
 from ..units import binary_bytes
 from .spec import CaseResult, Exercise, ItemResult, Limits, RunOutcome, RunSpec
 
-__all__ = ["check_exercise", "submission_source"]
+__all__ = ["check_exercise", "rank_set_for", "submission_source"]
 
 MAX_OUTPUT_CHARS = 2000  # of a rank's own prints kept in a report (Gradescope shows it)
 
@@ -37,19 +38,33 @@ def submission_source(cell_source: str) -> str:
     return f"{first}\n{rest}"
 
 
+def rank_set_for(exercises: list[Exercise], limits: Limits = Limits()) -> RankSet:
+    """A set of ranks big enough for every run of `exercises`, its CPU budget the sum of their deadlines."""
+    runs = [run for found in exercises for run in found.runs]
+    return RankSet(max((run.nproc for run in runs), default=1), limits,
+                   cpu_s=sum(limits.run_timeout_s or run.timeout_s for run in runs))
+
+
 def check_exercise(exercise: Exercise, cell_source: str, *, limits: Limits = Limits(),
-                   on_item=None) -> list[ItemResult]:
-    """Every item of every run of `exercise` on the learner's cell, in order."""
+                   on_item=None, ranks: RankSet | None = None) -> list[ItemResult]:
+    """Every item of every run of `exercise` on the learner's cell, in order.
+
+    `ranks`: a set to run in (the grader passes one per submission); by default one for this exercise.
+    """
+    if ranks is None:
+        with rank_set_for([exercise], limits) as own:
+            return check_exercise(exercise, cell_source, limits=limits, on_item=on_item, ranks=own)
     results: list[ItemResult] = []
     for run in exercise.runs:
-        for item in _check_run(exercise, run, cell_source, limits):
+        for item in _check_run(exercise, run, cell_source, limits, ranks):
             results.append(item)
             if on_item is not None:
                 on_item(item)
     return results
 
 
-def _check_run(exercise: Exercise, run: RunSpec, cell_source: str, limits: Limits) -> list[ItemResult]:
+def _check_run(exercise: Exercise, run: RunSpec, cell_source: str, limits: Limits,
+               ranks: RankSet) -> list[ItemResult]:
     import torch
 
     inputs = run.make_inputs(run.nproc)
@@ -59,22 +74,16 @@ def _check_run(exercise: Exercise, run: RunSpec, cell_source: str, limits: Limit
         (job_dir / "submission.py").write_text(submission_source(cell_source))
         for rank in range(run.nproc):
             torch.save([case[rank] for case in inputs], job_dir / f"inputs.rank{rank}.pt")
-        (job_dir / "job.json").write_text(json.dumps({
+        job = {
+            "job_dir": str(job_dir),
             "exercise": exercise.id,
             "function": exercise.function,
             "driver": exercise.driver,
             "allowed_ops": sorted(exercise.allowed_ops) if exercise.allowed_ops is not None else None,
-            "timeout_s": timeout_s,
-            "cpu_s": timeout_s,
-            "memory_bytes": limits.memory_bytes,
-            "file_bytes": limits.file_bytes,
-        }))
-        work = job_dir / "work"  # the ranks' working directory: whatever they write lands here
-        work.mkdir()
-        launch = run_torchrun(
-            f"from {rank_runner.__name__} import main\nmain({str(job_dir)!r})\n",
-            run.nproc, backend="gloo", timeout_s=timeout_s, cwd=str(work),
-        )
+        }
+        (job_dir / "job.json").write_text(json.dumps(job))  # for the record: the ranks get it by pipe
+        (job_dir / "work").mkdir()  # the ranks' working directory: whatever they write lands here
+        launch = ranks.run(job, run.nproc, timeout_s)
         output = _trimmed_output(launch)
         failure = _launch_failure(run, launch, timeout_s, limits)
         outcome = None if failure else _load_outcome(job_dir, run, inputs, launch)

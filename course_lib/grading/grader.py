@@ -1,12 +1,13 @@
 """Grade submitted notebooks: every exercise's checks (public + hidden), results written as they come.
 
-`python -m course_lib.grade SUBMISSIONS... [--hidden DIR] [--out DIR]` (see
-`main`). For each submission: read its `%%exercise` cells, run each
-exercise's checks (checker.py, real ranks, one deadline per run), put back any
-grader file the submission's code touched (guard.py), then write
-`OUT/<name>/results.json` and rewrite `OUT/grades.csv`, each atomically. A
-result already on disk for the same file and the same checks is kept, so an
-interrupted grading resumes where it stopped.
+`python -m course_lib.grade SUBMISSIONS... [--hidden DIR] [--out DIR] [--jobs N]`
+(see `main`). For each submission: read its `%%exercise` cells, run each
+exercise's checks (checker.py: one set of real ranks per submission, reused
+from run to run, one deadline per run), put back any grader file the
+submission's code touched (guard.py), then write `OUT/<name>/results.json` and
+rewrite `OUT/grades.csv`, each atomically. `--jobs N` grades N submissions at
+once (parallel.py). A result already on disk for the same file and the same
+checks is kept, so an interrupted grading resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import pathlib
 import sys
 
 from .cells import exercise_cells
-from .checker import check_exercise
+from .checker import check_exercise, rank_set_for
 from .gradescope import results_json, write_atomically, write_csv
 from .guard import FileGuard
+from .parallel import grade_in_parallel, grade_one_at_a_time
 from .progress import Progress
 from .registry import UnknownExercise, exercise, exercises_of_lesson, load_hidden, public_exercises
 from .spec import ItemResult, Limits
@@ -80,11 +82,16 @@ def grade_submission(path: pathlib.Path, wanted: list[str] | None, hidden: dict,
     except Exception as exc:  # noqa: BLE001 - not JSON, not a notebook: every check scores 0
         cells, note = {}, f"could not read the notebook: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
     graded = {}
-    for exercise_id in _exercise_ids(cells, path, wanted):
-        if exercise_id not in cells:
-            graded[exercise_id] = _zero(exercise_id, hidden, f"no %%exercise {exercise_id} cell in the notebook")
-        else:
-            graded[exercise_id] = check_exercise(exercise(exercise_id, hidden), cells[exercise_id], limits=limits)
+    ids = _exercise_ids(cells, path, wanted)
+    answered = [exercise(i, hidden) for i in ids if i in cells]
+    # One set of ranks for the whole submission: started once, restarted only after a run that failed.
+    with rank_set_for(answered, limits) as ranks:
+        for exercise_id in ids:
+            if exercise_id not in cells:
+                graded[exercise_id] = _zero(exercise_id, hidden, f"no %%exercise {exercise_id} cell in the notebook")
+            else:
+                graded[exercise_id] = check_exercise(exercise(exercise_id, hidden), cells[exercise_id],
+                                                     limits=limits, ranks=ranks)
     return graded, note
 
 
@@ -115,27 +122,32 @@ def _kept(path: pathlib.Path, sha: str, key: str) -> dict | None:
 
 def grade(files: list[pathlib.Path], out: pathlib.Path, *, hidden_dir: pathlib.Path | None = None,
           wanted: list[str] | None = None, force: bool = False, limits: Limits = Limits(),
-          progress: Progress | None = None) -> dict[str, dict]:
-    """Grade every submission file (see `_submission_files`); return {name: results.json content}."""
+          progress: Progress | None = None, jobs: int = 1) -> dict[str, dict]:
+    """Grade every submission file (see `_submission_files`), `jobs` at a time; return {name: results.json}."""
     hidden = load_hidden(hidden_dir) if hidden_dir is not None else {}
     public_exercises()  # import every judge before any learner code runs
     key = _checks_key(hidden_dir, wanted)
     out.mkdir(parents=True, exist_ok=True)
     guard = FileGuard([out, PACKAGE_DIR] + ([hidden_dir] if hidden_dir is not None else []))
     progress = progress or Progress(len(files), stream=None)
+    names = _names(files)
     results: dict[str, dict] = {}
-    for path, name in _names(files).items():
-        result_path = out / name / "results.json"
+    todo: list[tuple[pathlib.Path, str, str]] = []
+    for path, name in names.items():
         sha = hashlib.sha256(path.read_bytes()).hexdigest()
-        kept = None if force else _kept(result_path, sha, key)
+        kept = None if force else _kept(out / name / "results.json", sha, key)
         if kept is not None:
             results[name] = kept
             progress.advance(name, "kept")
-            continue
-        progress.start(name)
-        guard.snapshot()
-        graded, note = grade_submission(path, wanted, hidden, limits)
-        touched = guard.restore()
+        else:
+            todo.append((path, name, sha))
+
+    def grade_one(item: tuple[pathlib.Path, str, str]) -> tuple[dict[str, list[ItemResult]], str]:
+        progress.start(item[1])
+        return grade_submission(item[0], wanted, hidden, limits)
+
+    def record(item: tuple[pathlib.Path, str, str], graded_note: tuple, touched: list[str]) -> None:
+        (path, name, sha), (graded, note) = item, graded_note
         if touched:
             note = (f"0 points: your code changed the grader's files ({touched[0]}"
                     f"{f' and {len(touched) - 1} more' if len(touched) > 1 else ''}); they were put back")
@@ -143,10 +155,16 @@ def grade(files: list[pathlib.Path], out: pathlib.Path, *, hidden_dir: pathlib.P
                           for it in items] for i, items in graded.items()}
         result = results_json(graded, note=note, extra={
             "submission": path.name, "submission_sha256": sha, "checks": key})
-        write_atomically(result_path, json.dumps(result, indent=1) + "\n")
+        write_atomically(out / name / "results.json", json.dumps(result, indent=1) + "\n")
         results[name] = result
         write_csv(out / "grades.csv", results)
         progress.advance(name, f"{result['score']:g}/{result['extra_data']['max_score']:g}")
+
+    if jobs > 1 and len(todo) > 1:
+        grade_in_parallel(todo, grade_one, guard, record, jobs)
+    else:
+        grade_one_at_a_time(todo, grade_one, guard, record)
+    results = {name: results[name] for name in names.values()}  # in the order the files were given
     write_csv(out / "grades.csv", results)
     progress.close()
     return results
@@ -163,6 +181,8 @@ def _parser() -> argparse.ArgumentParser:
                                             "01.ring_allreduce (default: the lesson of each notebook)")
     parser.add_argument("--results-json", help="also write the (single) submission's results.json here, "
                                                "e.g. /autograder/results/results.json on Gradescope")
+    parser.add_argument("--jobs", type=int, default=1, metavar="N",
+                        help="grade N submissions at once, each on its own ranks (default: 1)")
     parser.add_argument("--force", action="store_true", help="grade again even where a result is kept")
     parser.add_argument("--run-timeout", type=float, help="deadline of every run in seconds, replacing each "
                                                           "run's own (20-30 s); raise it on slow machines")
@@ -176,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     wanted = [w.strip() for w in args.exercises.split(",") if w.strip()] if args.exercises else None
     try:
         files = _submission_files(args.submissions)
+        if args.jobs < 1:
+            raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
         if args.results_json and len(files) != 1:
             raise ValueError("--results-json needs exactly one submission")
         for want in wanted or []:
@@ -184,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         results = grade(files, pathlib.Path(args.out),
                         hidden_dir=pathlib.Path(args.hidden) if args.hidden else None, wanted=wanted,
                         force=args.force, limits=Limits(memory_bytes=int(args.memory_gib * 2**30), run_timeout_s=args.run_timeout),
-                        progress=Progress(len(files), stream=sys.stderr))
+                        progress=Progress(len(files), stream=sys.stderr), jobs=args.jobs)
     except (FileNotFoundError, UnknownExercise, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
