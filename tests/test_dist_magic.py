@@ -129,6 +129,11 @@ def assert_next_cell_restarts(kernel: DistKernel, reason: str | None = None) -> 
     assert cell.text("stderr") == ""
 
 
+def assert_one_line_interrupt(cell: Cell) -> None:
+    """An interrupted cell ends in error with one line, not a traceback through run_cell_magic and course_lib."""
+    assert [(e["ename"], e["traceback"]) for e in cell.of_type("error")] == [("CellInterrupted", ["KeyboardInterrupt"])]
+
+
 def assert_usage_error(cell: Cell, says: str) -> None:
     assert cell.status == "error"
     assert [o["output_type"] for o in cell.outputs] == ["stream"], cell.outputs
@@ -201,6 +206,22 @@ def test_status_before_start(kernel):
 
 
 # ---------------------------------------------------------------- a pool that works
+
+
+def test_interrupted_start_is_one_line_and_leaves_nothing(kernel):
+    def interrupt_once_torchrun_runs(outputs, updates, elapsed):
+        if not at and any("torch.distributed.run" in p.cmdline() for p in kernel.processes()):
+            kernel.km.interrupt_kernel()
+            at.append(time.monotonic())
+
+    at: list[float] = []
+    cell = kernel.execute("%dist start -n 2", timeout_s=60, during=interrupt_once_torchrun_runs)
+    assert at, "torchrun never started"
+    assert cell.status == "error"
+    assert_one_line_interrupt(cell)
+    assert lines(cell) == ["[dist] interrupted while the ranks were starting; none is running"]
+    kernel.assert_nothing_left()
+    assert lines(kernel.execute("%dist status")) == ["[dist] no ranks running: start them with %dist start -n 2"]
 
 
 def test_start(kernel):
@@ -287,6 +308,22 @@ def test_exception_on_a_rank_keeps_the_pool(kernel):
     assert sorted(p.pid for p in kernel.processes()) == pids
     after = kernel.execute("%%dist\nprint(kept)")
     assert after.status == "ok" and lines(after) == [HEADER, "[rank 0] before", "[rank 1] before"]
+
+
+def test_failing_collective_shows_the_learners_frames_and_is_recorded(kernel):
+    """A wrong argument fails inside torch, under the ledger's wrapper (rank/ledger.py): the traceback
+    goes from the cell's line into torch, with neither the wrapper's frame nor the worker's."""
+    cell = kernel.execute("%%dist\n" + PRE + "dist.all_reduce([1.0, 2.0])\n")
+    assert one_error_line(cell, "RankFailure")["evalue"].startswith("rank 0 raised ")
+    for rank in (0, 1):
+        err = [line[len(f"[rank {rank}] "):] for line in lines(cell, "stderr") if line.startswith(f"[rank {rank}] ")]
+        assert err[:3] == ["Traceback (most recent call last):", f'  File "<cell>", line {PRE_LINES + 2}, in <module>',
+                           "    dist.all_reduce([1.0, 2.0])"]
+        assert any("distributed_c10d.py" in line for line in err)  # torch's frames stay: the learner called torch
+        assert not any("course_lib" in line for line in err), err
+        assert err[-2].startswith("TypeError: Invalid function argument.")
+    assert kernel.value("import course_lib as cl\n[cl.ledgers[r][-1]['error'] for r in (0, 1)]") == "['TypeError', 'TypeError']"
+    assert lines(kernel.execute("%dist status"))[0].startswith(HEADER + ": running")
 
 
 def test_expect_failure(kernel):
@@ -415,12 +452,15 @@ def test_interrupt_answered_by_every_rank_keeps_the_pool(kernel):
     assert at, "the ranks never printed"
     assert time.monotonic() - at[0] < 2.0
     assert cell.status == "error"
-    assert [e["ename"] for e in cell.of_type("error")] == ["KeyboardInterrupt"]
+    assert_one_line_interrupt(cell)
     assert lines(cell) == [HEADER, "[rank 0] started", "[rank 1] started", "interrupted"]
-    err = lines(cell, "stderr")
-    for rank in (0, 1):
-        assert f'[rank {rank}]   File "<cell>", line 4, in <module>' in err
-        assert f"[rank {rank}] KeyboardInterrupt" in err
+    # Each rank's traceback ends in the cell: not in the worker's SIGINT handler (launcher/pool_worker.py).
+    assert lines(cell, "stderr") == [line for rank in (0, 1) for line in (
+        f"[rank {rank}] Traceback (most recent call last):",
+        f'[rank {rank}]   File "<cell>", line 4, in <module>',
+        f"[rank {rank}]     time.sleep(30)",
+        f"[rank {rank}] KeyboardInterrupt",
+    )]
     assert sorted(p.pid for p in kernel.processes()) == pids
     after = kernel.execute("%%dist\nprint(kept)")
     assert after.status == "ok" and lines(after) == [HEADER, "[rank 0] still here", "[rank 1] still here"]
@@ -439,7 +479,7 @@ def test_interrupt_not_answered_inside_a_collective_kills_the_pool(kernel):
     assert at, "rank 1 never printed"
     assert time.monotonic() - at[0] < INTERRUPT_GRACE_S + MARGIN_S
     assert cell.status == "error"
-    assert [e["ename"] for e in cell.of_type("error")] == ["KeyboardInterrupt"]
+    assert_one_line_interrupt(cell)
     out = lines(cell)
     assert out[-2] == f"stuck: rank 0 is waiting in all_reduce #{seq} (8 B, world group)"
     # ("ranks 0 did not answer": the wording bug has its own test below)

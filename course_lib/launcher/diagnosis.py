@@ -1,4 +1,4 @@
-"""Say which rank is stuck where, from the ranks' collective ledgers and Python stacks.
+"""Say which rank is stuck where, and which rank's error only follows from another rank's exit.
 
 At a deadline the kernel asks each stuck rank for its stack (SIGUSR1, which
 `rank.instrument()` tied to faulthandler), reads every rank's ledger, and
@@ -6,6 +6,13 @@ turns them into lines such as
 
     ranks 0, 2, 3 are waiting in all_reduce #7 (4 KiB, world group)
     rank 1 last completed broadcast #6 (world group) and is running Python at cell line 12
+
+When a rank exits early, its peers' next collective fails with the backend's
+raw words ("Connection closed by peer"). `first_failure` names the rank to
+blame and `consequences` says that the others' errors follow from it:
+
+    rank 0's error is a consequence of rank 1 exiting first: its all_reduce #1 (8 B, world group) found a peer
+    gone ("Connection closed by peer")
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from ..units import binary_bytes
 from . import pool_worker
 from .rank_output import ranks_phrase
 
-__all__ = ["cell_line", "collect", "describe_stuck"]
+__all__ = ["cell_line", "collect", "consequences", "describe_stuck", "ended_first", "first_failure", "lost_peer"]
 
 STACK_WAIT_S = 0.5  # time for faulthandler to write the stacks after SIGUSR1
 
@@ -104,4 +111,96 @@ def describe_stuck(ledgers: dict[int, list[dict]], stacks: dict[int, str]) -> li
     lines = []
     for state, ranks in by_state.items():
         lines.append(f"{ranks_phrase(ranks)} {state.format(be='is' if len(ranks) == 1 else 'are')}")
+    return lines
+
+
+# What a rank's error says when a peer it was talking to had already exited: gloo's TCP pair
+# ("Connection closed by peer" on reading; reset or broken pipe on writing) and NCCL.
+_PEER_GONE = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|"
+                        r"remote process exited or there was a network error")
+
+
+def lost_peer(text: str) -> str | None:
+    """The words in a rank's error output that say a peer had gone, e.g. "Connection closed by peer"; else None."""
+    match = _PEER_GONE.search(text)
+    return match.group(0) if match else None
+
+
+def _own_error(rank: int, exit_codes: dict[int, int | None], errors: dict[int, str]) -> bool:
+    """Whether `rank` failed of its own accord: not with a "peer gone" error, and, if torchrun ended
+    it (SIGTERM, sent to every rank after the first failure), only if it had printed a traceback."""
+    text = errors.get(rank, "")
+    if exit_codes.get(rank) in (0, None) or lost_peer(text):
+        return False
+    return exit_codes[rank] != -signal.SIGTERM or "Traceback (most recent call last)" in text
+
+
+def first_failure(exit_codes: dict[int, int | None], errors: dict[int, str], reported: int | None) -> int | None:
+    """The failed rank to name first: `reported` (torchrun's root cause), unless another rank
+    failed of its own accord and `reported` did not (see `_own_error`).
+
+    torchrun compares failure times in whole seconds and, on a tie, names the
+    lowest rank; and a rank that raised can be ended by torchrun's SIGTERM while
+    it exits, after its peer's "Connection closed by peer" was counted as the
+    first failure. Either way the peer is named before the rank that caused it.
+    """
+    failed = sorted(r for r, code in exit_codes.items() if code not in (0, None))
+    causes = [r for r in failed if _own_error(r, exit_codes, errors)]
+    if reported is not None and (reported in causes or not causes):
+        return reported
+    return causes[0] if causes else (failed[0] if failed else None)
+
+
+def _failed_call(ledger: list[dict]) -> dict | None:
+    failed = [e for e in ledger if e.get("error")]
+    return failed[-1] if failed else None
+
+
+def _never_joined(rank: int, call: dict, ledgers: dict[int, list[dict]]) -> bool:
+    """Whether `rank` is a member of `call`'s group and has no entry for it (same group, same seq)."""
+    group = call["group"]
+    if group.startswith("ranks ") and str(rank) not in group[len("ranks "):].split(","):
+        return False
+    return not any(e["group"] == group and e["seq"] == call["seq"] for e in ledgers.get(rank, []))
+
+
+def ended_first(exit_codes: dict[int, int | None], errors: dict[int, str], ledgers: dict[int, list[dict]],
+                first: int | None) -> list[int]:
+    """The ranks whose exit the others' "peer gone" errors follow from.
+
+    The first failure, if it failed of its own accord. Else the ranks that
+    ended without an error of their own (exit 0, or SIGTERM from torchrun while
+    they were exiting) and never joined the collective that failed, by the
+    ledgers; without a ledger, the ranks that exited 0.
+    """
+    if first is not None and _own_error(first, exit_codes, errors):
+        return [first]
+    lost = [r for r in errors if lost_peer(errors[r])]
+    quiet = [r for r, code in sorted(exit_codes.items()) if code in (0, -signal.SIGTERM) and r not in lost]
+    gone: set[int] = set()
+    for rank in lost:
+        call = _failed_call(ledgers.get(rank, []))
+        if call is None:
+            gone.update(r for r in quiet if exit_codes[r] == 0)
+        else:
+            gone.update(r for r in quiet if _never_joined(r, call, ledgers))
+    return sorted(gone)
+
+
+def consequences(errors: dict[int, str], gone: list[int], ledgers: dict[int, list[dict]]) -> list[str]:
+    """One line per rank whose error says a peer had gone, naming the ranks `gone` that ended first; [] if none.
+
+    `errors` holds the failed ranks' error output; `ledgers` their collectives, to name the one that failed.
+    """
+    if not gone:
+        return []
+    lines = []
+    for rank in sorted(errors):
+        words = lost_peer(errors[rank])
+        if rank in gone or words is None:
+            continue
+        call = _failed_call(ledgers.get(rank, []))
+        what = f"its {_what(call)}" if call else "it"
+        lines.append(f"rank {rank}'s error is a consequence of {ranks_phrase(gone)} exiting first: "
+                     f'{what} found a peer gone ("{words}")')
     return lines

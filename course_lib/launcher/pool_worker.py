@@ -25,6 +25,7 @@ from multiprocessing.connection import Client
 from typing import Any
 
 from .. import rank as rank_env
+from ..rank import ledger
 from ..rank.contract import CELL_LABEL, ENV_POOL_ADDRESS, ENV_POOL_INIT, ENV_POOL_KEYFILE
 from .messages import receive, send
 
@@ -82,11 +83,14 @@ def _send_whole(conn, lock: threading.Lock, message: Any) -> None:
 
 
 def _format_error(exc: BaseException) -> tuple[str, str]:
-    """(exception name, traceback text without this module's frames)."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-        tb = tb.tb_next  # start at the cell's own frames
-    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    """(exception name, traceback text with the learner's frames only).
+
+    Left out: this module's frames, wherever they are (the loop that runs the
+    cell, the print that sends its text, the SIGINT handler that raised
+    KeyboardInterrupt), and the collective ledger's wrapper (rank/ledger.py).
+    """
+    ledger.hide_frames(exc, also=lambda code: code.co_filename == __file__)
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     return type(exc).__name__, text
 
 

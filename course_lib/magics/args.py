@@ -16,7 +16,8 @@ from IPython.core.error import UsageError
 
 from ..errors import OneLineError
 
-__all__ = ["DEFAULT_NPROC", "MAX_NPROC", "RankFailure", "parse_line", "positive_seconds", "rank_count"]
+__all__ = ["DEFAULT_NPROC", "MAX_NPROC", "CellInterrupted", "RankFailure", "parse_line", "positive_seconds",
+           "rank_count"]
 
 DEFAULT_NPROC = 2
 MAX_NPROC = 64
@@ -58,3 +59,15 @@ def parse_line(magic, line: str, name: str) -> argparse.Namespace:
 
 class RankFailure(OneLineError):
     """A multi-rank cell whose ranks failed or ran past the deadline (the rank's own traceback is shown above)."""
+
+
+class CellInterrupted(KeyboardInterrupt):
+    """Ctrl-C (or the stop button) during a multi-rank cell, raised after the cell printed what it stopped.
+
+    Still a KeyboardInterrupt, so the cell ends in error and "Run All" stops
+    there; IPython shows `_render_traceback_()`, the one line Python ends an
+    interrupt with, instead of a traceback through run_cell_magic and this library.
+    """
+
+    def _render_traceback_(self) -> list[str]:
+        return ["KeyboardInterrupt"]

@@ -3,8 +3,9 @@
 Each magic turns its launcher's result into a `CellEnd` (what differs: which
 rank failed first, its failure sentence, its interrupt line); `finish` then
 updates `cl.results` and `cl.ledgers`, prints the ranks' output in rank order,
-and raises or not: KeyboardInterrupt after an interrupt, RankFailure after a
-failure unless `--expect-failure` was given, RankFailure after a success if it was.
+and raises or not: CellInterrupted (a KeyboardInterrupt shown as one line) after
+an interrupt, RankFailure after a failure unless `--expect-failure` was given,
+RankFailure after a success if it was.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import dataclasses
 from typing import Any
 
 from ..results import ledgers, results
-from .args import RankFailure
+from .args import CellInterrupted, RankFailure
 from .display import print_diagnosis, print_rank_blocks
 
 __all__ = ["CellEnd", "finish"]
@@ -28,9 +29,10 @@ class CellEnd:
     all_well: str  # how success reads after "--expect-failure was given, but "
     first: int | None = None  # the rank that failed first: its stderr comes first
     exit_line: str | None = None  # "exit: ..." for each rank, after a failed launch
+    consequences: list[str] = dataclasses.field(default_factory=list)  # errors that follow from a peer's exit
     diagnosis: list[str] = dataclasses.field(default_factory=list)  # who was stuck where
     stacks: dict[int, str] = dataclasses.field(default_factory=dict)  # stuck ranks' Python stacks
-    interrupted: str | None = None  # the line printed before KeyboardInterrupt; None: not interrupted
+    interrupted: str | None = None  # the line printed before CellInterrupted; None: not interrupted
     failure: str | None = None  # why the cell failed, one sentence; None: it did not
 
 
@@ -43,10 +45,12 @@ def finish(end: CellEnd, *, expect_failure: bool) -> None:
     print_rank_blocks(end.stdout, end.stderr, first=end.first)
     if end.exit_line is not None:
         print(end.exit_line)
+    for line in end.consequences:
+        print(line)
     print_diagnosis(end.diagnosis, end.stacks)
     if end.interrupted is not None:
         print(end.interrupted)
-        raise KeyboardInterrupt
+        raise CellInterrupted
     if end.failure is None:
         if expect_failure:
             raise RankFailure(f"--expect-failure was given, but {end.all_well}")

@@ -25,9 +25,10 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, argument_group, kwds, magic_arguments
 
 from ..backend_choice import BACKEND_CHOICES, BackendChoice, BackendError, choose_backend
+from ..launcher.diagnosis import consequences
 from ..launcher.pool import CellResult, Pool, PoolError
 from ..launcher.rank_output import describe_exit, ranks_phrase
-from .args import DEFAULT_NPROC, MAX_NPROC, parse_line, positive_seconds, rank_count
+from .args import DEFAULT_NPROC, MAX_NPROC, CellInterrupted, parse_line, positive_seconds, rank_count
 from .cell_end import CellEnd, finish
 from .display import run_live
 
@@ -91,12 +92,14 @@ def _failure_message(result: CellResult, timeout_s: float) -> str:
 
 
 def cell_end(result: CellResult, timeout_s: float, *, pool_running: bool) -> CellEnd:
-    """How a cell on the pool ends: each rank's traceback after what it printed, the first failing rank first."""
+    """How a cell on the pool ends: each rank's traceback after what it printed, the first failing rank first,
+    and whose errors follow from a rank that died."""
     stderr = {r: text + (result.errors[r][1] if r in result.errors else "") for r, text in result.stderr.items()}
     end = CellEnd(result.stdout, stderr, result.published, result.ledgers,
                   all_well="every rank finished without error",
                   first=min(result.errors) if result.errors else None,
                   diagnosis=result.diagnosis, stacks=result.stacks)
+    end.consequences = consequences({r: text for r, (_, text) in result.errors.items()}, result.dead, result.ledgers)
     if result.interrupted:
         end.interrupted = "interrupted" + ("" if pool_running else "; " + _failure_message(result, timeout_s))
     elif not result.ok:
@@ -156,6 +159,9 @@ class DistMagics(Magics):
         except PoolError as exc:
             self.pool = None
             raise UsageError(f"%dist start: {exc}") from None
+        except KeyboardInterrupt:  # Pool.start killed what it had started
+            print("[dist] interrupted while the ranks were starting; none is running")
+            raise CellInterrupted from None
         self.pool = pool
         return pool
 

@@ -19,6 +19,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from ..backend_choice import BACKEND_CHOICES, BackendError, choose_backend
+from ..launcher.diagnosis import consequences, ended_first, first_failure
 from ..launcher.rank_output import describe_exit, exit_summary
 from ..launcher.torchrun import LaunchResult, run_torchrun
 from .args import DEFAULT_NPROC, MAX_NPROC, parse_line, positive_seconds, rank_count
@@ -30,7 +31,7 @@ __all__ = ["DEFAULT_TIMEOUT_S", "TorchrunMagics", "cell_end"]
 DEFAULT_TIMEOUT_S = 120.0
 
 
-def _failure_message(result: LaunchResult, timeout_s: float) -> str:
+def _failure_message(result: LaunchResult, timeout_s: float, first: int | None) -> str:
     if result.timed_out:
         stuck = ", ".join(map(str, result.unfinished)) or "none"
         message = f"deadline of {timeout_s:g} s passed; ranks still running: {stuck}"
@@ -38,7 +39,6 @@ def _failure_message(result: LaunchResult, timeout_s: float) -> str:
             message += f"; not started yet: {', '.join(map(str, result.not_started))}"
         return message + "; every process of this cell was killed"
     if result.failed:
-        first = result.root_cause if result.root_cause is not None else result.failed[0]
         last_line = next((ln for ln in reversed(result.stderr.get(first, "").splitlines()) if ln.strip()), "")
         why = f": {last_line.strip()}" if last_line else ""
         code = result.exit_codes[first]
@@ -50,17 +50,23 @@ def _failure_message(result: LaunchResult, timeout_s: float) -> str:
 
 def cell_end(result: LaunchResult, timeout_s: float) -> CellEnd:
     """How a launch ends as a cell: the failing rank's stderr first and, unless every rank exited 0,
-    every rank's exit and why the cell failed."""
+    every rank's exit, whose errors follow from another rank's exit, and why the cell failed."""
+    first = result.root_cause
+    if result.failed and not (result.timed_out or result.interrupted):
+        first = first_failure(result.exit_codes, result.stderr, result.root_cause)
     end = CellEnd(result.stdout, result.stderr, result.results, result.ledgers, all_well="every rank exited 0",
-                  first=result.root_cause, diagnosis=result.diagnosis, stacks=result.stacks)
+                  first=first, diagnosis=result.diagnosis, stacks=result.stacks)
     if result.ok:
         return end
     end.exit_line = exit_summary(result.exit_codes, result.not_started)
+    failed_errors = {r: result.stderr.get(r, "") for r in result.failed}
+    gone = ended_first(result.exit_codes, failed_errors, result.ledgers, first)
+    end.consequences = consequences(failed_errors, gone, result.ledgers)
     if result.interrupted:
         running = ", ".join(map(str, result.unfinished)) or "none"
         end.interrupted = f"interrupted; ranks still running were killed: {running}"
     else:
-        end.failure = _failure_message(result, timeout_s)
+        end.failure = _failure_message(result, timeout_s, first)
     return end
 
 

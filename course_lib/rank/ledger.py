@@ -20,6 +20,12 @@ is meant to be the same collective: where ranks' ledgers disagree is where a
 program went wrong. Calls made inside another recorded call (all_gather_object
 calls all_gather) are not recorded twice. An `async_op=True` call "returns" when
 its work object is created, not when the transfer completes.
+
+The wrapper is the course's, not the learner's: a collective that raises shows
+the learner's line, then torch's frames, never the wrapper's. A frame cannot
+leave a traceback it raises through, so `hide_frames` unlinks it afterwards,
+where tracebacks are printed: `install` hooks `sys.excepthook` (a `%%torchrun`
+rank's uncaught error), and the pool worker calls it (`%%dist`).
 """
 
 from __future__ import annotations
@@ -28,15 +34,18 @@ import functools
 import inspect
 import json
 import os
+import sys
 import threading
 import time
-from typing import Any
+import types
+from typing import Any, Callable
 
 from ..vocabulary import ALWAYS_ASYNC, RECORDED_OPS, canonical_op
 
-__all__ = ["LedgerReader", "install", "read_ledger"]
+__all__ = ["LedgerReader", "hide_frames", "install", "read_ledger"]
 
 _state = threading.local()  # .depth: >0 while inside a recorded call
+_WRAPPER_CODE: set[types.CodeType] = set()  # the code of `recorded` below: its frames are hidden from tracebacks
 
 
 def _tensors(value: Any) -> list:
@@ -118,14 +127,69 @@ class _Recorder:
             return result
 
         recorded.__course_lib_ledger__ = True
+        _WRAPPER_CODE.add(recorded.__code__)  # every wrapper shares this code object
         return recorded
 
 
+def _unlinked(tb: types.TracebackType | None, hidden: Callable[[types.CodeType], bool]):
+    """The traceback `tb` without the entries whose code is hidden (entries are relinked in place)."""
+    head = last = None
+    while tb is not None:
+        following = tb.tb_next
+        if not hidden(tb.tb_frame.f_code):
+            if last is None:
+                head = tb
+            else:
+                last.tb_next = tb
+            last = tb
+        tb = following
+    if last is not None:
+        last.tb_next = None
+    return head
+
+
+def hide_frames(exc: BaseException, also: Callable[[types.CodeType], bool] = lambda code: False) -> BaseException:
+    """Unlink the ledger's wrapper frames, and those whose code `also` names, from the tracebacks of
+    `exc` and of every exception chained to it (cause, context, group members); returns `exc`."""
+    def hidden(code: types.CodeType) -> bool:
+        return code in _WRAPPER_CODE or also(code)
+
+    todo, seen = [exc], set()
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        current.with_traceback(_unlinked(current.__traceback__, hidden))
+        todo += [current.__cause__, current.__context__, *getattr(current, "exceptions", ())]
+    return exc
+
+
+def _install_excepthook() -> None:
+    """A rank's uncaught error is printed without the wrapper's frames (idempotent).
+
+    Installed before the learner's `init_process_group`, which wraps whatever
+    `sys.excepthook` is then (to prefix lines with "[rankN]: "), so this runs inside it.
+    """
+    previous = sys.excepthook
+    if getattr(previous, "__course_lib_ledger__", False):
+        return
+
+    def excepthook(etype, value, tb):
+        if isinstance(value, BaseException):
+            tb = hide_frames(value).__traceback__
+        previous(etype, value, tb)
+
+    excepthook.__course_lib_ledger__ = True
+    sys.excepthook = excepthook
+
+
 def install(path: str) -> None:
-    """Record this process's collectives into `path` (idempotent)."""
+    """Record this process's collectives into `path`, and hide the recording from tracebacks (idempotent)."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
+    _install_excepthook()
     recorder = _Recorder(path)
     for name in RECORDED_OPS:
         original = getattr(c10d, name, None)
