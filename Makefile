@@ -1,5 +1,6 @@
 # make lab   install (first time only) and open the course in JupyterLab
 # make test  install (first time only) and run every test, notebooks included
+# make test-quick  the tests without those marked slow (a loop while editing)
 # make exercises  regenerate exercises/ from solutions/ (course authors)
 #
 # TORCH_SPEC picks the PyTorch build. The default is the version CI tests; another
@@ -20,7 +21,7 @@ VENV_FLAGS    :=
 INSTALL_TORCH := $(BIN)/python -m pip install "$(TORCH_SPEC)"
 endif
 
-.PHONY: install lab test notebooks exercises clean
+.PHONY: install lab test test-quick notebooks exercises clean
 
 install: $(VENV)/.installed
 
@@ -41,6 +42,10 @@ lab: install
 
 test: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest
+
+# While editing: the tests/ folder without the tests marked slow (no notebooks, no benchmarks).
+test-quick: install
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not slow" tests/
 
 # Re-execute the lesson and solution notebooks and store their outputs (what nbval compares),
 # dropping the per-cell execution timestamps so diffs show only real changes, and the saved

@@ -93,8 +93,8 @@ def test_ring_with_the_wrong_neighbour_hangs_on_4_ranks_and_the_deadline_says_wh
     # On 2 ranks both neighbours are the same rank, so the mistake only shows on 4.
     ring = exercise("01.ring_allreduce")
     four_ranks = dataclasses.replace(ring, runs=ring.runs[1:])
-    items = check_exercise(four_ranks, answers.RING_WRONG_PEER, limits=Limits(run_timeout_s=12))
+    items = check_exercise(four_ranks, answers.RING_WRONG_PEER, limits=Limits(run_timeout_s=6))
     assert [item.score for item in items] == [0, 0]
     message = items[0].message
-    assert message.startswith("did not finish within 12 s on 4 ranks (")
+    assert message.startswith("did not finish within 6 s on 4 ranks (")
     assert "rank 0 is waiting in recv #" in message, message

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
 
 
 def _smoke(script: str, *args: str, timeout_s: float) -> str:

@@ -7,9 +7,10 @@
 - `python -m course_lib.grading.authoring` writes exercises/ from solutions/.
 
 Modules: spec (what an exercise is), lesson01 (the exercises and their judges),
-drivers + rank_runner (on the ranks), checker (launch and judge), registry
-(public and hidden checks), cells (finding answers), check (`cl.check`), report,
-grader (the CLI behind `python -m course_lib.grade`). The `%%exercise` magic is in
+drivers + rank_runner (on the ranks), rank_set (the ranks of one submission,
+started once, reused run after run), checker (run and judge), registry (public
+and hidden checks), cells (finding answers), check (`cl.check`), report, grader
+(the CLI behind `python -m course_lib.grade`), parallel (`--jobs N`). The `%%exercise` magic is in
 course_lib/magics/exercise_magic.py.
 """
 
