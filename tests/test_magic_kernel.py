@@ -354,9 +354,8 @@ def test_interrupt_kills_every_process_of_the_cell(kernel):
     interrupted_at = []
 
     def interrupt_once_ranks_run(outputs, updates, elapsed):
-        # Ranks print after starting their helper; wait a little more so both are up.
-        if not interrupted_at and any("started" in u for u in updates):
-            time.sleep(1.0)
+        # Each rank prints after starting its helper: interrupt once the live view shows both lines.
+        if not interrupted_at and updates and updates[-1].count("started") >= 2:
             kernel.km.interrupt_kernel()
             interrupted_at.append(time.monotonic())
 

@@ -31,7 +31,7 @@ from multiprocessing.connection import wait
 import psutil
 
 from ..backend_choice import BackendChoice
-from ..launcher.diagnosis import collect, describe_stuck
+from ..launcher.diagnosis import collect, describe_stuck, lost_peer
 from ..launcher.torchrun import LaunchResult
 from ..rank.contract import ENV_LAUNCH_MARK, ledger_file
 from ..rank.ledger import LedgerReader
@@ -44,8 +44,6 @@ START_TIMEOUT_S = 60.0  # the first set of a process waits for the server to imp
 # After a rank dies, how long the others get to end on their own: when several raise the same
 # error, the report must name the same rank every time (the lowest), not whichever ended first.
 SETTLE_S = 0.3
-# A rank whose error says only that a peer went away failed because of another rank.
-PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
 GLOO = BackendChoice("gloo", "cpu", "grading ranks")
 
 
@@ -232,7 +230,7 @@ class RankSet:
     def _root_cause(self, exit_codes: dict, job_dir: pathlib.Path) -> int:
         """The lowest failed rank whose own error is not a peer's disappearance (else the lowest failed)."""
         failed = sorted(r for r, code in exit_codes.items() if code not in (0, None))
-        own = [r for r in failed if not any(p in self._read(job_dir / f"stderr.rank{r}.txt") for p in PEER_LOST)]
+        own = [r for r in failed if not lost_peer(self._read(job_dir / f"stderr.rank{r}.txt"))]
         return (own or failed)[0]
 
     def _done(self, rank: int) -> bool:
