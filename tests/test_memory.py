@@ -186,6 +186,26 @@ def test_show_memory_draws_the_rows_it_returns(run, toy):
     assert view.table.count("\n") >= len(measured) * 5
 
 
+def test_cuda_block_rounding_is_left_out_of_other_and_said_in_the_table(run, toy):
+    """On CUDA torch's tracker rounds every storage up to 512 B (the exact columns do not): measure_step takes
+    that out of "other" and the table says how much. Shown here with the CPU results given a CUDA rounding."""
+    assert memory.allocator_rounding([4, 1024, 513]) == 508 + 0 + 511
+    results = run.results["memory"]
+    for per_strategy in results.values():
+        for out in per_strategy.values():
+            assert out["cuda_rounding"] is None  # CPU: nothing rounded
+            for phase in memory.PHASES:
+                assert set(out["phases"][phase]) == set(memory.CATEGORIES)
+    plain = show_memory(results, model=toy_model(), unit_type=Block, display=False)
+    assert "CUDA" not in plain.table
+    on_cuda = {rank: {strategy: {**out, "cuda_rounding": {phase: 3072 + rank for phase in memory.PHASES}}
+                      for strategy, out in per_strategy.items()} for rank, per_strategy in results.items()}
+    view = show_memory(on_cuda, model=toy_model(), unit_type=Block, display=False)
+    last_rank = run.nproc - 1
+    assert f"'other' excludes that rounding (up to init {3072 + last_rank} B, forward {3072 + last_rank} B" \
+        in view.table, view.table
+
+
 # ---------------------------------------------------------------- single process: the predictions
 
 def test_prediction_without_padding_is_zeros_formula():

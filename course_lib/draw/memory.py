@@ -110,7 +110,7 @@ def show_memory(results: Any, *, model: Any = None, unit_type: type | None = Non
                 rows.append(MemoryRow(result["strategy"], result["rank"], phase, category,
                                       int(values.get(category, 0)), expected))
     theory = {p["strategy"]: p["theory"] for p in predictions.values()}
-    table = _table(rows, theory)
+    table = _table(rows, theory, _rounding_note(measured))
     figure = _draw(rows, title or "Memory per rank: measured (bars) and predicted (dashed)")
     if display:
         print(table)
@@ -118,7 +118,18 @@ def show_memory(results: Any, *, model: Any = None, unit_type: type | None = Non
     return MemoryView(rows, table, theory, figure)
 
 
-def _table(rows: list[MemoryRow], theory: dict) -> str:
+def _rounding_note(measured: list[dict]) -> str:
+    """On CUDA: how much 512-byte block rounding was taken out of "other" (measure_step), per phase; else ""."""
+    rounded = [r for r in measured if r.get("cuda_rounding")]
+    if not rounded:
+        return ""
+    worst = {phase: max(r["cuda_rounding"][phase] for r in rounded) for phase in rounded[0]["cuda_rounding"]}
+    return ("CUDA: torch's tracker counts each storage rounded up to 512 B, as the allocator allocates; the exact "
+            "columns are not rounded, and 'other' excludes that rounding (up to "
+            + ", ".join(f"{phase} {n} B" for phase, n in worst.items()) + " per rank).")
+
+
+def _table(rows: list[MemoryRow], theory: dict, note: str = "") -> str:
     """One line per (strategy, rank, phase): measured/predicted per category, '!' where they differ."""
     header = f"{'strategy':<8} {'rank':>4} {'phase':<8}" + "".join(f" {c:>13}" for c in STACK) + f" {'total':>8}"
     lines = [header, "-" * len(header)]
@@ -134,6 +145,8 @@ def _table(rows: list[MemoryRow], theory: dict) -> str:
             text.append(f" {cell:>13}")
         lines.append(f"{strategy:<8} {rank:>4} {phase:<8}" + "".join(text) + f" {sum(r.measured for r in group):>8}")
     lines.append("bytes measured/predicted ('!': differs); activations, other and peak are measured only.")
+    if note:
+        lines.append(note)
     for strategy, zero in theory.items():
         lines.append(f"ZeRO formula, {strategy} (no padding, no buffers): "
                      + ", ".join(f"{k} {v:g}" for k, v in zero.items()) + " bytes per rank")

@@ -55,14 +55,26 @@ def _local(t: Any) -> Any:
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
-def _storage_bytes(tensors: Any) -> int:
-    """Bytes of the distinct storages behind `tensors`: views of one buffer count once."""
+def _storages(tensors: Any) -> dict[int, int]:
+    """{storage: bytes} of the distinct storages behind `tensors`: views of one buffer count once."""
     seen: dict[int, int] = {}
     for t in tensors:
         if t is not None:
             st = _local(t).untyped_storage()
             seen[st.data_ptr() or id(st)] = st.nbytes()
-    return sum(seen.values())
+    return seen
+
+
+def _storage_bytes(tensors: Any) -> int:
+    return sum(_storages(tensors).values())
+
+
+CUDA_BLOCK = 512  # the CUDA caching allocator's smallest block; torch's MemTracker rounds each storage up to it
+
+
+def allocator_rounding(sizes: list[int], block: int = CUDA_BLOCK) -> int:
+    """Bytes that rounding each of `sizes` up to a multiple of `block` adds: 508 for [4, 1024]."""
+    return sum(-n % block for n in sizes)
 
 
 def _fsdp2_params(model: Any) -> list:
@@ -89,9 +101,11 @@ def _exact(model: Any, optimizer: Any, strategy: str) -> dict[str, int]:
             and not model.gradient_as_bucket_view:
         # DDP's reducer allocates its buckets in C++; it records their sizes in bytes.
         buffers += sum(int(n) for n in re.findall(r"\d+", str(model._get_ddp_logging_data().get("bucket_sizes", ""))))
-    return {"parameters": _storage_bytes(shards),
-            "gradients": _storage_bytes(p.grad for p in (model.parameters() if strategy != "fsdp2" else shards)),
-            "optimizer": _storage_bytes(states), "buffers": buffers}
+    grads = [p.grad for p in (model.parameters() if strategy != "fsdp2" else shards)]
+    # The rounding torch's tracker adds to these storages on CUDA (not in the exact counts): see measure_step.
+    sizes = [n for tensors in (shards, grads, states, gathered) for n in _storages(tensors).values()]
+    return {"parameters": _storage_bytes(shards), "gradients": _storage_bytes(grads),
+            "optimizer": _storage_bytes(states), "buffers": buffers, "rounding": allocator_rounding(sizes)}
 
 
 def _tracker_snapshot(tracker: Any, kind: str = "current") -> dict[str, int]:
@@ -135,8 +149,11 @@ def measure_step(model: Any, optimizer: Any, batch: tuple, loss_fn: Callable, *,
     NOTE: "other" is not reproducible on gloo: a finished collective's work
     object may still hold its buffer for a moment (seen: 1024 B of FSDP2
     all-gather output on some ranks, some runs). On CUDA the tracker rounds
-    each block up to 512 B, which also lands in "other"; the exact categories
-    are never rounded. `allocated`/`max_allocated`: the CUDA allocator's view.
+    each storage up to 512 B, as the caching allocator does; the exact
+    categories are never rounded, so the rounding of their storages is taken
+    out of "other" and reported per phase as `cuda_rounding` (else an "other"
+    of ~3 KiB appears at init, which is only rounding). `allocated`/`max_allocated`:
+    the CUDA allocator's view.
     """
     import torch
     import torch.distributed as dist
@@ -157,13 +174,15 @@ def measure_step(model: Any, optimizer: Any, batch: tuple, loss_fn: Callable, *,
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    phases, raw, allocated = {}, {}, {}
+    phases, raw, allocated, rounding = {}, {}, {}, {}
 
     def record(phase: str) -> None:
         exact = _exact(model, optimizer, strategy)
+        block_rounding = exact.pop("rounding")
+        rounding[phase] = block_rounding if cuda else 0
         raw[phase] = _tracker_snapshot(tracker)
         seen = _categories(raw[phase], strategy, exact["parameters"])
-        named = sum(exact.values()) + seen["activations"]
+        named = sum(exact.values()) + seen["activations"] + rounding[phase]
         phases[phase] = {**exact, "activations": seen["activations"], "other": max(0, seen["total"] - named)}
         if cuda:
             torch.cuda.synchronize(device)
@@ -184,6 +203,7 @@ def measure_step(model: Any, optimizer: Any, batch: tuple, loss_fn: Callable, *,
         "phases": phases, "peak": _categories(peak_raw, strategy, phases["init"]["parameters"]),
         "tracker_phases": raw, "tracker_peak": peak_raw,
         "allocated": allocated or None,
+        "cuda_rounding": rounding if cuda else None,
         "max_allocated": torch.cuda.max_memory_allocated(device) if cuda else None,
     }
 
