@@ -19,6 +19,7 @@ import json
 import pathlib
 import sys
 
+from ..torch_support import unsupported_torch_message
 from .cells import exercise_cells
 from .checker import check_exercise, rank_set_for
 from .gradescope import results_json, write_atomically, write_csv
@@ -193,6 +194,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    too_old = unsupported_torch_message()
+    if too_old:
+        print(too_old, file=sys.stderr)
     wanted = [w.strip() for w in args.exercises.split(",") if w.strip()] if args.exercises else None
     try:
         files = _submission_files(args.submissions)
