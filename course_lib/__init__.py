@@ -7,7 +7,7 @@ Importing this package on a rank is cheap: IPython parts load only in a kernel.
 """
 
 from .backend_choice import BackendChoice, BackendError, choose_backend
-from .rank import DistInfo, backend, device, init, print0, publish
+from .rank import DistInfo, backend, device, device_mesh, init, print0, publish
 from .results import ledgers, results
 
 # Imported on first use: every rank imports this package (line 1 of a %%torchrun
@@ -66,6 +66,7 @@ __all__ = [
     "comm_table",
     "describe_machine",
     "device",
+    "device_mesh",
     "draw_mesh",
     "init",
     "ledgers",
@@ -96,6 +97,10 @@ __all__ = [
 def load_ipython_extension(ipython) -> None:
     """`%load_ext course_lib`: registers `%%torchrun`, `%dist`, `%%dist` and `%%exercise`."""
     from .magics import register
+    from .torch_support import unsupported_torch_message
 
+    too_old = unsupported_torch_message()
+    if too_old:
+        print(too_old)
     register(ipython)
 

@@ -359,9 +359,9 @@ def test_cell_without_cl_init_is_recorded_and_diagnosed():
     _assert_nothing_left(run)
 
 
-def test_future_import_cell_still_runs():
+def test_future_import_cell_still_runs_and_is_recorded():
     # `from __future__` must be a file's first statement, so such a script gets
-    # no hook line (and no ledger unless it calls cl.init()); it must still run.
+    # no hook line; it must still run, and the cell runner's hook records it.
     # The backend is a BackendChoice made by the caller (as %%torchrun does): used as is.
     choice = BackendChoice("gloo", "cpu", "decided by the caller")
     run = launch(
@@ -377,7 +377,38 @@ def test_future_import_cell_still_runs():
     assert run.result.ok, run.result.stderr
     assert run.result.choice is choice
     assert run.result.stdout == {0: "ok\n", 1: "ok\n"}
-    assert run.result.ledgers in ({}, {0: [], 1: []})
+    assert {r: [e["op"] for e in ledger] for r, ledger in run.result.ledgers.items()} == {0: ["barrier"], 1: ["barrier"]}
+    _assert_nothing_left(run)
+
+
+# ---------------------------------------------------------------- rank helpers on a machine with a GPU
+
+
+def test_device_mesh_follows_the_backend_not_the_gpu():
+    # FSDP2 / DTensor under gloo need a CPU mesh even where a GPU exists: a "cuda" mesh fails with
+    # "invalid device ordinal" or a segfault (pytorch#132471). The cell imitates a GPU machine; the
+    # helper must still take the mesh's device type from the backend choice (gloo -> cpu).
+    run = launch(
+        """
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.tensor import Shard, distribute_tensor
+        import course_lib as cl
+
+        torch.cuda.is_available = lambda: True  # as on a machine with a GPU
+        info = cl.init(timeout_s=30)
+        mesh = cl.device_mesh(info.world_size, mesh_dim_names=("dp",))
+        total = torch.tensor([float(info.rank + 1)])
+        dist.all_reduce(total, group=mesh.get_group("dp"))
+        full = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)]).full_tensor()
+        cl.publish("mesh", (mesh.device_type, mesh.mesh.tolist(), mesh.mesh_dim_names, total.item(), full.tolist()))
+        """,
+        2,
+        timeout_s=60,
+        backend="gloo",
+    )
+    assert run.result.ok, run.result.stderr
+    assert run.result.results["mesh"] == {r: ("cpu", [0, 1], ("dp",), 3.0, [0.0, 1.0, 2.0, 3.0]) for r in range(2)}
     _assert_nothing_left(run)
 
 

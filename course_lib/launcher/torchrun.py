@@ -5,6 +5,8 @@ folder, launches it with real torchrun, follows each rank's stdout/stderr
 log file (torchrun's `--redirects 3 --log-dir`), enforces a deadline, and
 returns a `LaunchResult`: per-rank output, per-rank exit codes, which ranks
 were still running when the deadline hit, and the values ranks published.
+Each rank runs the script through `course_lib.rank.cell_runner`, so that
+processes the script spawns do not run it again.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -21,8 +24,8 @@ import time
 from typing import Any, Callable
 
 from ..backend_choice import BackendChoice, choose_backend
-from ..rank.contract import (CELL_HOOK_MODULE, ENV_BACKEND, ENV_DEVICE, ENV_LAUNCH_MARK, ENV_RESULTS_DIR,
-                             PUBLISHED_GLOB, SCRIPT_NAME, ledger_file, parse_published)
+from ..rank.contract import (CELL_HOOK_MODULE, CELL_RUNNER_MODULE, ENV_BACKEND, ENV_DEVICE, ENV_LAUNCH_MARK,
+                             ENV_RESULTS_DIR, PUBLISHED_GLOB, SCRIPT_NAME, ledger_file, parse_published)
 from ..rank.ledger import read_ledger
 from . import watchdog
 from .diagnosis import collect, describe_stuck
@@ -130,12 +133,32 @@ CELL_HOOK_IMPORT = f"import {CELL_HOOK_MODULE}"
 
 
 def _with_cell_hook(script: str, first_line: str) -> str:
-    """The script torchrun runs: the hook import (and `# first_line`) on line 1, then the script."""
+    """The script's file: the hook import (and `# first_line`) on line 1, then the script.
+
+    The cell runner installs the hook itself; line 1 keeps the script's line
+    numbers those of a cell whose first line is the magic, and leaves a file
+    that plain torchrun could run too.
+    """
     if "from __future__" in script:
-        # A __future__ import must come first in a file: no hook, so such a script
-        # is recorded only if it calls cl.init().
-        return f"# {first_line}\n{script}"
+        return f"# {first_line}\n{script}"  # a __future__ import must come first in a file
     return f"{CELL_HOOK_IMPORT}  # {first_line}\n{script}" if first_line else f"{CELL_HOOK_IMPORT}\n{script}"
+
+
+def _cell_target(script_path: pathlib.Path) -> list[str]:
+    """What torchrun runs on each rank: the cell runner, with the script's file (see cell_runner.py)."""
+    return ["-m", CELL_RUNNER_MODULE, str(script_path)]
+
+
+# A stack's frames of the runner, which calls the cell: `File ".../course_lib/rank/cell_runner.py", line 9 in main`.
+_RUNNER_FRAME = re.compile(r'^.*File "[^"]*/%s".*\n?' % re.escape(CELL_RUNNER_MODULE.replace(".", "/") + ".py"),
+                           re.MULTILINE)
+
+
+def _as_the_cell(result: LaunchResult) -> LaunchResult:
+    """What torchrun ran is the runner module, but the learner knows the program as the cell: say so."""
+    result.agent_output = clean_paths(result.agent_output, CELL_RUNNER_MODULE)  # "<cell> FAILED"
+    result.stacks = {rank: _RUNNER_FRAME.sub("", stack) for rank, stack in result.stacks.items()}
+    return result
 
 
 def run_torchrun(
@@ -154,10 +177,13 @@ def run_torchrun(
     On a deadline or a KeyboardInterrupt every process this launch started is
     killed by PID and the result says which ranks had not finished; the
     interrupt is reported through `result.interrupted`, not re-raised.
-    Line 1 of the file torchrun runs imports `course_lib.cell_hook` (collective
-    ledger and stack dumps, even if the script never calls `cl.init()`), with
-    `first_line` as a comment after it: the script starts on line 2, so line
-    numbers in tracebacks match a notebook cell whose first line is the magic.
+    Each rank runs the script as its `__main__` through `course_lib.rank.cell_runner`,
+    which installs `course_lib.rank.cell_hook` first (collective ledger and stack
+    dumps, even if the script never calls `cl.init()`) and lets processes the
+    script spawns (mp.spawn, DataLoader workers) import only its definitions.
+    Line 1 of the script's file is the hook import with `first_line` as a comment
+    after it: the script starts on line 2, so line numbers in tracebacks match a
+    notebook cell whose first line is the magic.
     `backend` is a BackendChoice (used as is) or a name (see `resolve_backend`).
     """
     choice = resolve_backend(nproc, backend)
@@ -165,7 +191,7 @@ def run_torchrun(
     try:
         script_path = run_dir / SCRIPT_NAME
         script_path.write_text(_with_cell_hook(script, first_line))
-        return _launch_and_follow(script_path, nproc, choice, timeout_s, on_output, on_poll, cwd)
+        return _as_the_cell(_launch_and_follow(script_path, nproc, choice, timeout_s, on_output, on_poll, cwd))
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 
@@ -220,7 +246,7 @@ class TorchrunProcess:
 
 def _launch_and_follow(script_path, nproc, choice, timeout_s, on_output, on_poll, cwd):
     started = time.monotonic()
-    launch = TorchrunProcess([str(script_path)], nproc, choice, script_path.parent, cwd=cwd)
+    launch = TorchrunProcess(_cell_target(script_path), nproc, choice, script_path.parent, cwd=cwd)
     proc, tree = launch.proc, launch.tree
     follower = LogFollower(launch.log_dir, nproc)
     timed_out = interrupted = False

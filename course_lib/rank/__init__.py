@@ -25,6 +25,7 @@ __all__ = [
     "backend",
     "device",
     "destroy_process_group_at_exit",
+    "device_mesh",
     "dump_stacks_on_signal",
     "init",
     "instrument",
@@ -73,6 +74,21 @@ def device() -> Any:
     if _choice().device_type == "cuda":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
+
+
+def device_mesh(shape: int | tuple[int, ...], *, mesh_dim_names: tuple[str, ...] | None = None) -> Any:
+    """`init_device_mesh(device().type, shape, mesh_dim_names=...)`: a DeviceMesh of this rank's device type.
+
+    "cpu" under gloo, "cuda" under NCCL: the mesh follows the backend choice, never
+    `torch.cuda.is_available()`. NOTE: with gloo on a machine that has a GPU, FSDP2
+    and DTensor need a CPU mesh; a "cuda" one fails with "invalid device ordinal"
+    or a segfault (https://github.com/pytorch/pytorch/issues/132471).
+    `shape` is the number of ranks along each dimension, e.g. `(2, 2)`; an int is a 1-D mesh.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    return init_device_mesh(device().type, shape, mesh_dim_names=mesh_dim_names)
 
 
 _stack_file: Any = None  # kept open: faulthandler writes to its descriptor from a signal handler

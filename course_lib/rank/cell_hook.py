@@ -1,19 +1,21 @@
-"""Imported on line 1 of every `%%torchrun` cell's script: instrument the rank without `cl.init()`.
+"""Imported before every `%%torchrun` cell runs: instrument the rank without `cl.init()`.
 
 A cell may start its process group with `dist.init_process_group(...)` and
 never import course_lib. Its collectives should still reach the ledger, and a
-stuck rank should still show its stack. So the launcher writes the script as
+stuck rank should still show its stack. So the cell runner (cell_runner.py)
+imports this module before it runs the cell, and the launcher writes the
+script as
 
     import course_lib.rank.cell_hook  # %%torchrun -n 2      <- line 1, as in the cell
     <the cell>
 
-and this module (1) registers the SIGUSR1 stack dump at once, and (2) wraps
-the collectives the moment `torch.distributed.distributed_c10d` finishes
-loading, before `torch.distributed` copies their names (`from
-.distributed_c10d import *`), and arranges for the default process group to
-be destroyed at exit if the cell leaves it open. Importing torch here instead
-would cost a cell that never uses torch a second; waiting for the import
-costs nothing.
+(a script plain torchrun can run too). This module (1) registers the
+SIGUSR1 stack dump at once, and (2) wraps the collectives the moment
+`torch.distributed.distributed_c10d` finishes loading, before
+`torch.distributed` copies their names (`from .distributed_c10d import *`),
+and arranges for the default process group to be destroyed at exit if the
+cell leaves it open. Importing torch here instead would cost a cell that
+never uses torch a second; waiting for the import costs nothing.
 """
 
 from __future__ import annotations

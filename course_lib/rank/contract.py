@@ -7,7 +7,8 @@ Everything both sides must spell the same way lives here, once:
 - the file names ranks write into the launch's folder (published values,
   collective ledgers, stack dumps), which the kernel reads back;
 - where torchrun (`--log-dir DIR --redirects 3`) puts each rank's output;
-- the name of the module a `%%torchrun` script imports on line 1.
+- the name of the module a `%%torchrun` script imports on line 1, and of the
+  module torchrun runs for a cell (`-m course_lib.rank.cell_runner cell.py`).
 
 Plain strings and small functions only: imported by every rank, it must stay cheap.
 """
@@ -18,7 +19,8 @@ import pathlib
 import re
 
 __all__ = [
-    "CELL_HOOK_MODULE", "CELL_LABEL", "ENV_BACKEND", "ENV_DEVICE", "ENV_LAUNCH_MARK", "ENV_LEDGER",
+    "CELL_HOOK_MODULE", "CELL_LABEL", "CELL_RUNNER_MODULE", "ENV_BACKEND", "ENV_CELL_FILE", "ENV_DEVICE",
+    "ENV_LAUNCH_MARK", "ENV_LEDGER",
     "ENV_POOL_ADDRESS", "ENV_POOL_INIT", "ENV_POOL_KEYFILE", "ENV_RESULTS_DIR", "PUBLISHED_GLOB", "SCRIPT_NAME",
     "ledger_file", "log_files", "parse_log_path", "parse_published", "published_file", "stacks_file",
 ]
@@ -32,6 +34,8 @@ ENV_LAUNCH_MARK = "COURSE_LAUNCH_MARK"  # a value unique to one launch, inherite
 ENV_POOL_ADDRESS = "COURSE_POOL_ADDRESS"  # persistent ranks: the kernel's "127.0.0.1:PORT"
 ENV_POOL_KEYFILE = "COURSE_POOL_KEYFILE"  # persistent ranks: file with the session's secret (mode 0600)
 ENV_POOL_INIT = "COURSE_POOL_INIT"  # persistent ranks: "1" starts the default process group first
+# Set by the cell runner on a rank, not by the launcher: the cell's file, read again by the processes the cell spawns.
+ENV_CELL_FILE = "COURSE_CELL_FILE"
 
 # --- files in the launch's folder (ENV_RESULTS_DIR) ------------------------------------------------
 PUBLISHED_GLOB = "*.rank*.pt"
@@ -79,3 +83,5 @@ CELL_LABEL = "<cell>"  # how tracebacks and stacks name the cell (the temporary 
 # The module imported on line 1 of that script, named from this package so a move cannot break it
 # (tests/test_layout.py checks that it imports).
 CELL_HOOK_MODULE = f"{__name__.rpartition('.')[0]}.cell_hook"
+# The module torchrun runs on every rank, with the script's path as its argument (cell_runner.py).
+CELL_RUNNER_MODULE = f"{__name__.rpartition('.')[0]}.cell_runner"
