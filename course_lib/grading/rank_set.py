@@ -32,8 +32,9 @@ import psutil
 
 from ..backend_choice import BackendChoice
 from ..launcher.diagnosis import collect, describe_stuck, lost_peer
+from ..launcher.processes import ProcessTree
 from ..launcher.torchrun import LaunchResult
-from ..rank.contract import ENV_LAUNCH_MARK, ledger_file
+from ..rank.contract import ledger_file
 from ..rank.ledger import LedgerReader
 from . import rank_runner
 from .spec import Limits
@@ -118,26 +119,19 @@ class RankSet:
                     waiting.discard(rank)
 
     def _kill(self) -> None:
-        """SIGKILL every rank, whatever it started (by PID, and by the set's mark), and forget them."""
-        procs = []
+        """SIGKILL every rank and whatever it started (by PID, and by the set's mark), and forget them."""
+        tree = None
         for proc in self._ranks:
             try:
-                parent = psutil.Process(proc.pid)
-                procs += [parent] + parent.children(recursive=True)
-            except (psutil.NoSuchProcess, TypeError):
+                if tree is None:
+                    tree = ProcessTree(proc.pid, self.mark)  # its kill_all also finds the set's marked processes
+                else:
+                    tree.seen[proc.pid] = psutil.Process(proc.pid)
+                    tree.seen.update((child.pid, child) for child in tree.seen[proc.pid].children(recursive=True))
+            except (psutil.NoSuchProcess, TypeError):  # TypeError: a rank that never started has no pid
                 continue
-        for found in psutil.process_iter():
-            try:
-                if found.pid != os.getpid() and found.environ().get(ENV_LAUNCH_MARK) == self.mark:
-                    procs.append(found)
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                continue
-        for proc in procs:
-            try:
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(procs, timeout=5)
+        if tree is not None:
+            tree.kill_all()
         for proc in self._ranks:
             proc.join(timeout=5)
         for conn in self._jobs + self._status:
