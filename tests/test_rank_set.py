@@ -105,3 +105,15 @@ def test_parallel_grading_blames_a_change_only_on_the_submissions_that_could_hav
     else:
         assert graded_alone in (["a", "b"], ["a", "b", "c"])
     assert recorded["b"] and all(recorded[n] == [] for n in "acd")
+
+
+def test_a_check_leaves_no_process_behind():
+    # cl.check in a notebook: the set starts its own rank server and ends it, with every rank, when done.
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    ring = exercise("01.ring_allreduce")
+    items = check_exercise(ring, RAISES_ON_TWO_RANKS)  # one failed run (ranks restarted), one that passes
+    assert [item.passed for item in items] == [False] * len(ring.runs[0].items) + [True] * len(ring.runs[1].items)
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert left == [], [(p.pid, p.cmdline()) for p in left]

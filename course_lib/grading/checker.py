@@ -21,6 +21,7 @@ import tempfile
 
 from ..launcher.torchrun import LaunchResult
 from .rank_runner import EXIT_NO_FUNCTION
+from .rank_server import RankServer
 from .rank_set import RankSet
 from ..units import binary_bytes
 from .spec import CaseResult, Exercise, ItemResult, Limits, RunOutcome, RunSpec
@@ -38,11 +39,14 @@ def submission_source(cell_source: str) -> str:
     return f"{first}\n{rest}"
 
 
-def rank_set_for(exercises: list[Exercise], limits: Limits = Limits()) -> RankSet:
-    """A set of ranks big enough for every run of `exercises`, its CPU budget the sum of their deadlines."""
+def rank_set_for(exercises: list[Exercise], limits: Limits = Limits(), server: RankServer | None = None) -> RankSet:
+    """A set of ranks big enough for every run of `exercises`, its CPU budget the sum of their deadlines.
+
+    `server`: the rank server to fork them from (the grader shares one); by default the set starts its own.
+    """
     runs = [run for found in exercises for run in found.runs]
     return RankSet(max((run.nproc for run in runs), default=1), limits,
-                   cpu_s=sum(limits.run_timeout_s or run.timeout_s for run in runs))
+                   cpu_s=sum(limits.run_timeout_s or run.timeout_s for run in runs), server=server)
 
 
 def check_exercise(exercise: Exercise, cell_source: str, *, limits: Limits = Limits(),

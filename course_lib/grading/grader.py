@@ -26,6 +26,7 @@ from .gradescope import results_json, write_atomically, write_csv
 from .guard import FileGuard
 from .parallel import grade_in_parallel, grade_one_at_a_time
 from .progress import Progress
+from .rank_server import RankServer
 from .registry import UnknownExercise, exercise, exercises_of_lesson, load_hidden, public_exercises
 from .spec import ItemResult, Limits
 
@@ -73,7 +74,7 @@ def _zero(exercise_id: str, hidden: dict, message: str) -> list[ItemResult]:
 
 
 def grade_submission(path: pathlib.Path, wanted: list[str] | None, hidden: dict,
-                     limits: Limits) -> tuple[dict[str, list[ItemResult]], str]:
+                     limits: Limits, server: RankServer | None = None) -> tuple[dict[str, list[ItemResult]], str]:
     """{exercise id: item results} for one notebook, and a note for the learner ("" if none)."""
     import nbformat
 
@@ -86,7 +87,7 @@ def grade_submission(path: pathlib.Path, wanted: list[str] | None, hidden: dict,
     ids = _exercise_ids(cells, path, wanted)
     answered = [exercise(i, hidden) for i in ids if i in cells]
     # One set of ranks for the whole submission: started once, restarted only after a run that failed.
-    with rank_set_for(answered, limits) as ranks:
+    with rank_set_for(answered, limits, server) as ranks:
         for exercise_id in ids:
             if exercise_id not in cells:
                 graded[exercise_id] = _zero(exercise_id, hidden, f"no %%exercise {exercise_id} cell in the notebook")
@@ -143,9 +144,11 @@ def grade(files: list[pathlib.Path], out: pathlib.Path, *, hidden_dir: pathlib.P
         else:
             todo.append((path, name, sha))
 
+    server = RankServer() if todo else None  # imports torch once; every submission's ranks are forked from it
+
     def grade_one(item: tuple[pathlib.Path, str, str]) -> tuple[dict[str, list[ItemResult]], str]:
         progress.start(item[1])
-        return grade_submission(item[0], wanted, hidden, limits)
+        return grade_submission(item[0], wanted, hidden, limits, server)
 
     def record(item: tuple[pathlib.Path, str, str], graded_note: tuple, touched: list[str]) -> None:
         (path, name, sha), (graded, note) = item, graded_note
@@ -161,10 +164,14 @@ def grade(files: list[pathlib.Path], out: pathlib.Path, *, hidden_dir: pathlib.P
         write_csv(out / "grades.csv", results)
         progress.advance(name, f"{result['score']:g}/{result['extra_data']['max_score']:g}")
 
-    if jobs > 1 and len(todo) > 1:
-        grade_in_parallel(todo, grade_one, guard, record, jobs)
-    else:
-        grade_one_at_a_time(todo, grade_one, guard, record)
+    try:
+        if jobs > 1 and len(todo) > 1:
+            grade_in_parallel(todo, grade_one, guard, record, jobs)
+        else:
+            grade_one_at_a_time(todo, grade_one, guard, record)
+    finally:
+        if server is not None:
+            server.stop()
     results = {name: results[name] for name in names.values()}  # in the order the files were given
     write_csv(out / "grades.csv", results)
     progress.close()

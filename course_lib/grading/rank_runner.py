@@ -1,7 +1,8 @@
 """One grading rank: a process that runs one check after another on the learner's cell.
 
 The checker's rank set (rank_set.py) starts these once per submission, forked
-from a server that has already imported torch, and sends each a job per run.
+from a server that has already imported torch (rank_server.py), and sends each
+a job per run over its connection.
 Order matters in each run, because from step 5 on the learner's code shares
 this process:
 
@@ -74,8 +75,8 @@ def _apply_limits(limits: dict) -> None:
 def _die_with_grader(grader_pid: int) -> None:
     """End this rank when the grader that asked for it ends, even a grader killed by SIGKILL.
 
-    Not with the forkserver that forked it: that server lives as long as any of its
-    children (each holds its "alive" pipe), so it cannot end first.
+    The rank server (rank_server.py) kills its ranks when the grader goes; this
+    covers a server that was itself killed.
     """
     grader = psutil.Process(grader_pid)  # remembers the start time: a reused PID is not the grader
 
@@ -236,7 +237,7 @@ def _end_like_a_script(exc: BaseException) -> None:
 
 def serve(rank: int, jobs, status, set_dir: str, store_port: int, limits: dict, mark: str,
           grader_pid: int) -> None:
-    """Run jobs from `jobs` (a Connection of JSON lines) until it closes; report each on `status`."""
+    """Run jobs from `jobs` (a Connection of JSON messages) until it closes; report each on `status`."""
     _die_with_grader(grader_pid)
     os.environ[ENV_LAUNCH_MARK] = mark  # processes the learner's code starts carry the set's mark
     os.environ.setdefault("OMP_NUM_THREADS", "1")

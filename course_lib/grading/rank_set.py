@@ -2,10 +2,11 @@
 
 A check used to be one torchrun launch per run (about 6 s here, most of it
 importing torch in every rank). A `RankSet` instead forks `size` ranks from a
-server that imported torch once (multiprocessing's forkserver), and gives each
-run to ranks 0..nproc-1 (rank_runner.py): they start a gloo process group of
-that size over a TCP store this process hosts (one key prefix per run), run the
-learner's function, write their outputs, and destroy the group. A run whose
+server that imported torch once (rank_server.py), and gives each run to ranks
+0..nproc-1 (rank_runner.py), over a socket each rank connects back on: they
+start a gloo process group of that size over a TCP store this process hosts
+(one key prefix per run), run the learner's function, write their outputs, and
+destroy the group. A run whose
 ranks all report "done" leaves the set ready for the next; a rank that raises,
 exits or hangs past the deadline ends the run (the others are killed at once,
 as torchrun does), and the next run gets a fresh set.
@@ -19,14 +20,15 @@ from __future__ import annotations
 
 import datetime
 import json
-import multiprocessing
 import os
 import pathlib
+import secrets
 import shutil
+import socket
 import tempfile
 import time
 import uuid
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge, wait
 
 import psutil
 
@@ -36,40 +38,32 @@ from ..launcher.processes import ProcessTree
 from ..launcher.torchrun import LaunchResult
 from ..rank.contract import ledger_file
 from ..rank.ledger import LedgerReader
-from . import rank_runner
+from .rank_server import RankServer
 from .spec import Limits
 
 __all__ = ["RankSet"]
 
-START_TIMEOUT_S = 60.0  # the first set of a process waits for the server to import torch
+START_TIMEOUT_S = 60.0  # ranks connect and set up (TCP store, ledger) once the server has forked them
 # After a rank dies, how long the others get to end on their own: when several raise the same
 # error, the report must name the same rank every time (the lowest), not whichever ended first.
 SETTLE_S = 0.3
 GLOO = BackendChoice("gloo", "cpu", "grading ranks")
 
 
-def _context():
-    """Forkserver where the platform has it (ranks start in ~0.1 s, torch already imported); else spawn."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload([rank_runner.__name__])
-    return ctx
-
-
 class RankSet:
     """`size` grading ranks; `run(job_dir, ...)` any number of times; `close()` (or use `with`)."""
 
-    def __init__(self, size: int, limits: Limits = Limits(), *, cpu_s: float = 600.0):
+    def __init__(self, size: int, limits: Limits = Limits(), *, cpu_s: float = 600.0,
+                 server: RankServer | None = None):
         self.size, self.limits, self.cpu_s = size, limits, cpu_s
         self.set_dir = pathlib.Path(tempfile.mkdtemp(prefix="course_ranks_"))  # mode 0700
         self.mark = uuid.uuid4().hex
         self.runs = 0
         self.starts = 0  # how many times ranks were started (1 + restarts), for tests and bench/
+        self._server, self._own_server = server, server is None
         self._store = None
-        self._ranks: list = []  # multiprocessing Process objects
-        self._jobs: list = []  # our ends of the job pipes
-        self._status: list = []  # our ends of the status pipes
+        self._pids: list[int] = []  # by rank
+        self._conns: list[Connection] = []  # by rank: jobs go out, "ready"/"done" come back
         self._readers: dict[int, LedgerReader] = {}
 
     def __enter__(self) -> RankSet:
@@ -85,67 +79,74 @@ class RankSet:
         if self._store is None:
             self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                         timeout=datetime.timedelta(seconds=60))
-        ctx = _context()
-        limits = {"cpu_s": self.cpu_s, "memory_bytes": self.limits.memory_bytes,
-                  "file_bytes": self.limits.file_bytes}
-        for rank in range(self.size):
-            jobs_out, jobs_in = ctx.Pipe(duplex=False)[::-1]
-            status_in, status_out = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=rank_runner.serve, name=f"grading-rank-{rank}", daemon=True, args=(
-                rank, jobs_in, status_out, str(self.set_dir), self._store.port, limits, self.mark, os.getpid()))
-            proc.start()
-            jobs_in.close()
-            status_out.close()
-            self._ranks.append(proc)
-            self._jobs.append(jobs_out)
-            self._status.append(status_in)
+        if self._server is None:
+            self._server = RankServer()
+        key = secrets.token_bytes(32)
+        address = str(self.set_dir / f"ranks{self.starts}.sock")
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(address)
+        listener.listen(self.size)
+        request = {"address": address, "authkey": key.hex(), "set_dir": str(self.set_dir),
+                   "store_port": self._store.port, "mark": self.mark, "grader_pid": os.getpid(),
+                   "limits": {"cpu_s": self.cpu_s, "memory_bytes": self.limits.memory_bytes,
+                              "file_bytes": self.limits.file_bytes}}
         self.starts += 1
+        self._pids = [self._server.fork({**request, "rank": rank}) for rank in range(self.size)]
         self._readers = {r: LedgerReader(str(self.set_dir / ledger_file(r))) for r in range(self.size)}
+        conns: dict[int, Connection] = {}
         deadline = time.monotonic() + START_TIMEOUT_S
-        waiting = set(range(self.size))
-        while waiting:
-            ready = wait([self._status[r] for r in waiting] + [self._ranks[r].sentinel for r in waiting],
-                         timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                self._kill()
-                raise RuntimeError(f"grading ranks did not start within {START_TIMEOUT_S:g} s")
-            for rank in list(waiting):
-                if self._ranks[rank].sentinel in ready:
-                    code = self._ranks[rank].exitcode
-                    self._kill()
-                    raise RuntimeError(f"grading rank {rank} ended while starting (exit code {code})")
-                if self._status[rank] in ready:
-                    self._status[rank].recv_bytes()
-                    waiting.discard(rank)
+        try:
+            while len(conns) < self.size:
+                listener.settimeout(max(0.01, deadline - time.monotonic()))
+                sock, _ = listener.accept()
+                sock.setblocking(True)  # a Connection reads its descriptor directly: it must block
+                conn = Connection(sock.detach())
+                deliver_challenge(conn, key)  # both sides prove they know the key before anything is read
+                answer_challenge(conn, key)
+                conns[int(json.loads(conn.recv_bytes(4096))["ready"])] = conn
+        except (OSError, EOFError, ValueError, KeyError) as exc:  # socket.timeout is an OSError
+            self._conns = list(conns.values())
+            self._kill()
+            dead = {r: self._server.exit_code(pid, 0.1) for r, pid in enumerate(self._pids)}
+            ended = {r: code for r, code in dead.items() if code is not None}
+            raise RuntimeError(f"grading ranks did not start ({type(exc).__name__}"
+                               f"{f'; exit codes {ended}' if ended else ''})") from None
+        finally:
+            listener.close()
+        self._conns = [conns[r] for r in range(self.size)]
 
     def _kill(self) -> None:
         """SIGKILL every rank and whatever it started (by PID, and by the set's mark), and forget them."""
         tree = None
-        for proc in self._ranks:
+        for pid in self._pids:
             try:
                 if tree is None:
-                    tree = ProcessTree(proc.pid, self.mark)  # its kill_all also finds the set's marked processes
+                    tree = ProcessTree(pid, self.mark)  # its kill_all also finds the set's marked processes
                 else:
-                    tree.seen[proc.pid] = psutil.Process(proc.pid)
-                    tree.seen.update((child.pid, child) for child in tree.seen[proc.pid].children(recursive=True))
-            except (psutil.NoSuchProcess, TypeError):  # TypeError: a rank that never started has no pid
+                    tree.seen[pid] = psutil.Process(pid)
+                    tree.seen.update((child.pid, child) for child in tree.seen[pid].children(recursive=True))
+            except psutil.NoSuchProcess:
                 continue
         if tree is not None:
             tree.kill_all()
-        for proc in self._ranks:
-            proc.join(timeout=5)
-        for conn in self._jobs + self._status:
+        for pid in self._pids:
+            self._server.exit_code(pid, timeout_s=2)  # reaped by the server
+        for conn in self._conns:
             conn.close()
-        self._ranks, self._jobs, self._status = [], [], []
+        self._pids, self._conns = [], []
 
     def close(self) -> None:
-        """End the ranks (closing their job pipes lets healthy ones exit) and remove the set's folder."""
-        for conn in self._jobs:
+        """End the ranks (closing their connections lets healthy ones exit), the own server, the set's folder."""
+        for conn in self._conns:
             conn.close()
-        for proc in self._ranks:
-            proc.join(timeout=2)
-        self._jobs = []
-        self._kill()
+        for pid in self._pids:
+            self._server.exit_code(pid, timeout_s=2)
+        self._conns = []
+        if self._server is not None:
+            self._kill()
+            if self._own_server:
+                self._server.stop()
+                self._server = None
         shutil.rmtree(self.set_dir, ignore_errors=True)
 
     # --- one run ----------------------------------------------------------------------------------
@@ -153,34 +154,35 @@ class RankSet:
         """Give `job` (see rank_runner) to ranks 0..nproc-1; wait for them, at most `timeout_s`."""
         if nproc > self.size:
             raise ValueError(f"a run on {nproc} ranks in a set of {self.size}")
-        if not self._ranks:
+        if not self._conns:
             self._start()
         self.runs += 1
         started = time.monotonic()
         job_dir = pathlib.Path(job["job_dir"])
         message = json.dumps({**job, "run": self.runs, "world_size": nproc, "timeout_s": timeout_s}).encode()
         for rank in range(nproc):
-            self._jobs[rank].send_bytes(message)
+            self._conns[rank].send_bytes(message)
 
         pending, exit_codes, first_dead = set(range(nproc)), {}, None
         timed_out = interrupted = False
         try:
             while pending and first_dead is None:
                 left = started + timeout_s - time.monotonic()
-                ready = wait([self._status[r] for r in pending] + [self._ranks[r].sentinel for r in pending],
-                             timeout=max(0.0, left)) if left > 0 else []
+                ready = wait([self._conns[r] for r in pending], timeout=max(0.0, left)) if left > 0 else []
                 if not ready:
                     timed_out = True
                     break
                 for rank in sorted(pending):
-                    if self._status[rank] in ready and self._done(rank):
-                        pending.discard(rank)
-                        exit_codes[rank] = 0
-                    elif self._ranks[rank].sentinel in ready:
-                        self._ranks[rank].join()
-                        exit_codes[rank] = self._ranks[rank].exitcode
+                    if self._conns[rank] not in ready:
+                        continue
+                    message = self._message(rank)
+                    if message is None:  # the connection closed: the rank ended
+                        exit_codes[rank] = self._server.exit_code(self._pids[rank])
                         pending.discard(rank)
                         first_dead = rank if first_dead is None else first_dead
+                    elif message.get("done") == self.runs:
+                        exit_codes[rank] = 0
+                        pending.discard(rank)
         except KeyboardInterrupt:
             interrupted = True
 
@@ -189,7 +191,7 @@ class RankSet:
         root = self._root_cause(exit_codes, job_dir) if first_dead is not None else None
         stacks, diagnosis = {}, []
         if timed_out or interrupted:
-            stuck = {r: self._ranks[r].pid for r in pending}
+            stuck = {r: self._pids[r] for r in pending}
             all_ledgers, stacks = collect(self.set_dir, nproc, stuck)
             diagnosis = describe_stuck(self._this_run(all_ledgers, started), stacks)
         ledgers = self._this_run({r: self._readers[r].read() for r in range(nproc)}, started)
@@ -215,10 +217,10 @@ class RankSet:
         """Let the other ranks of a failed run end on their own for SETTLE_S, recording their exit codes."""
         deadline = time.monotonic() + SETTLE_S
         while pending and time.monotonic() < deadline:
-            wait([self._ranks[r].sentinel for r in pending], timeout=max(0.0, deadline - time.monotonic()))
+            ready = wait([self._conns[r] for r in pending], timeout=max(0.0, deadline - time.monotonic()))
             for rank in sorted(pending):
-                if not self._ranks[rank].is_alive():
-                    exit_codes[rank] = self._ranks[rank].exitcode
+                if self._conns[rank] in ready and self._message(rank) is None:
+                    exit_codes[rank] = self._server.exit_code(self._pids[rank])
                     pending.discard(rank)
 
     def _root_cause(self, exit_codes: dict, job_dir: pathlib.Path) -> int:
@@ -227,12 +229,17 @@ class RankSet:
         own = [r for r in failed if not lost_peer(self._read(job_dir / f"stderr.rank{r}.txt"))]
         return (own or failed)[0]
 
-    def _done(self, rank: int) -> bool:
-        """Whether the rank's message says it finished this run (anything else is the learner's noise)."""
+    def _message(self, rank: int) -> dict | None:
+        """The rank's next message ({} if it is not JSON: the learner's noise); None once it has ended."""
         try:
-            return json.loads(self._status[rank].recv_bytes(4096)).get("done") == self.runs
-        except (EOFError, OSError, ValueError, AttributeError):
-            return False
+            data = self._conns[rank].recv_bytes(4096)
+        except (EOFError, OSError):
+            return None
+        try:
+            message = json.loads(data)
+        except ValueError:
+            return {}
+        return message if isinstance(message, dict) else {}
 
     @staticmethod
     def _this_run(ledgers: dict[int, list[dict]], started: float) -> dict[int, list[dict]]:
