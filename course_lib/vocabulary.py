@@ -47,6 +47,8 @@ _TABLE: tuple[tuple[str, str | None, tuple[str, ...]], ...] = (
     ("all_gather_single_coalesced", None, ("c10d.allgather_into_tensor_coalesced_",
                                            "c10d_functional.all_gather_into_tensor_coalesced")),
     ("gather", "gather", ("c10d.gather_",)),
+    # torch 2.15 added a flat gather, spelled as the flat all-gather is.
+    ("gather_single", "gather", ("gather_into_tensor",)),
     ("scatter", "scatter", ("c10d.scatter_",)),
     # "reducescatter": NCCL's ncclReduceScatter, as show_collective lower-cases it ("allreduce", "allgather"
     # and "alltoall" are ProcessGroup methods too).
@@ -85,6 +87,7 @@ PROCESS_GROUP_METHODS: dict[str, tuple[str, ...]] = {
     "reduce_scatter_single_coalesced": ("reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced"),
     "all_to_all": ("alltoall",), "all_to_all_single": ("all_to_all_single", "alltoall_base"),
     "broadcast": ("broadcast",), "reduce": ("reduce",), "gather": ("gather",), "scatter": ("scatter",),
+    "gather_single": ("gather_single", "gather_into_tensor"),
     "barrier": ("barrier",), "monitored_barrier": ("monitored_barrier",),
     "send": ("send",), "recv": ("recv", "recv_anysource"),
 }
@@ -93,6 +96,7 @@ PROCESS_GROUP_METHODS: dict[str, tuple[str, ...]] = {
 # older method of each pair existed): grading blocks the methods this torch has.
 METHODS_SINCE = {name: (2, 13) for name in ("all_gather_single", "reduce_scatter_single", "all_to_all_single",
                                             "all_gather_single_coalesced", "reduce_scatter_single_coalesced")}
+METHODS_SINCE.update({name: (2, 15) for name in ("gather_single", "gather_into_tensor")})  # the flat gather
 
 # Point-to-point: the calls that hand a tensor to one other rank, and those that take one.
 SENDS = ("send", "isend")
@@ -107,7 +111,8 @@ _BLOCKING_FORM = {"isend": "send", "irecv": "recv"}  # same ProcessGroup method,
 RECORDED_OPS = (
     "send", "recv", "isend", "irecv", "batch_isend_irecv",
     "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
-    "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+    "gather", "gather_into_tensor", "gather_single", "scatter", "reduce_scatter", "reduce_scatter_tensor",
+    "reduce_scatter_single",
     "all_to_all", "all_to_all_single",
     "barrier", "monitored_barrier",
     "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
@@ -116,6 +121,7 @@ RECORDED_OPS = (
 # has (tests/test_vocabulary.py checks every other name exists). On 2.11 the coalesced flat forms are
 # only the ProcessGroup methods allgather_into_tensor_coalesced / reduce_scatter_tensor_coalesced.
 OPS_SINCE = {"all_gather_single": (2, 13), "reduce_scatter_single": (2, 13),
+             "gather_single": (2, 15), "gather_into_tensor": (2, 15),
              "all_gather_single_coalesced": (2, 13), "reduce_scatter_single_coalesced": (2, 13)}
 
 # What FSDP2 (and FSDP1's reduce-scatter) call in torch 2.13, so the names a ledger records for them.
