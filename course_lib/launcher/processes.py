@@ -20,11 +20,36 @@ import psutil
 
 from ..rank.contract import ENV_LAUNCH_MARK
 
-__all__ = ["ProcessTree", "new_mark"]
+__all__ = ["ProcessTree", "kill_marked", "new_mark"]
 
 
 def new_mark() -> str:
     return uuid.uuid4().hex
+
+
+def _marked(mark: str) -> list[psutil.Process]:
+    """Every living process, other than this one, whose environment carries `mark`."""
+    found = []
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid():
+            continue
+        try:
+            if proc.environ().get(ENV_LAUNCH_MARK) == mark:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def kill_marked(mark: str, timeout_s: float = 5.0) -> None:
+    """SIGKILL every process carrying `mark` (a launch that has no process tree yet), then reap."""
+    procs = _marked(mark)
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=timeout_s)
 
 
 class ProcessTree:
@@ -51,14 +76,8 @@ class ProcessTree:
         """Record every living process whose environment carries this launch's mark."""
         if self.mark is None:
             return
-        for proc in psutil.process_iter():
-            if proc.pid in self.seen or proc.pid == os.getpid():
-                continue
-            try:
-                if proc.environ().get(ENV_LAUNCH_MARK) == self.mark:
-                    self.seen[proc.pid] = proc
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                continue
+        for proc in _marked(self.mark):
+            self.seen.setdefault(proc.pid, proc)
 
     def ranks(self) -> dict[int, psutil.Process]:
         """Living rank processes by global rank (read from each one's RANK env variable)."""

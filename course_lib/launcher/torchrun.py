@@ -29,7 +29,7 @@ from ..rank.contract import (CELL_HOOK_MODULE, CELL_RUNNER_MODULE, ENV_BACKEND, 
 from ..rank.ledger import read_ledger
 from . import watchdog
 from .diagnosis import collect, describe_stuck
-from .processes import ProcessTree, new_mark
+from .processes import ProcessTree, kill_marked, new_mark
 from .rank_output import LogFollower, clean_paths, clean_rank_text, parse_torchrun_failures
 
 __all__ = ["LaunchResult", "TorchrunProcess", "resolve_backend", "run_torchrun", "torchrun_command"]
@@ -212,19 +212,27 @@ class TorchrunProcess:
         self.results_dir.mkdir(exist_ok=True)
         env = _child_env(choice, self.results_dir, self.mark) | (extra_env or {})
         self.watchdog = _start_watchdog(self.mark, run_dir, {k: v for k, v in env.items() if k != ENV_LAUNCH_MARK})
-        self.proc = subprocess.Popen(
-            torchrun_command(target, nproc, str(self.log_dir)),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=cwd,
-            start_new_session=True,  # Ctrl-C in the kernel must not reach torchrun: we end it ourselves
-        )
-        self.tree = ProcessTree(self.proc.pid, self.mark)
-        self._agent_chunks: list[bytes] = []
-        self._reader = threading.Thread(target=self._read_agent, daemon=True)
-        self._reader.start()
+        try:
+            self.proc = subprocess.Popen(
+                torchrun_command(target, nproc, str(self.log_dir)),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=cwd,
+                start_new_session=True,  # Ctrl-C in the kernel must not reach torchrun: we end it ourselves
+            )
+            self.tree = ProcessTree(self.proc.pid, self.mark)
+            self._agent_chunks: list[bytes] = []
+            self._reader = threading.Thread(target=self._read_agent, daemon=True)
+            self._reader.start()
+        except BaseException:
+            # A Ctrl-C here (a %dist start interrupted as torchrun starts) leaves the caller nothing to
+            # kill: end whatever of this launch did start, found by its mark, and the watchdog.
+            kill_marked(self.mark)
+            self.watchdog.kill()
+            self.watchdog.wait()
+            raise
 
     def _read_agent(self) -> None:
         for chunk in iter(lambda: self.proc.stdout.read1(65536), b""):
