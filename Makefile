@@ -40,8 +40,11 @@ ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 lab: install
 	HF_HUB_OFFLINE=1 $(BIN)/jupyter lab $(ROOT_FLAG) notebooks/00_setup.ipynb
 
+# Two workers (TEST_WORKERS): the suite's many waits (deadlines, kernel round trips) overlap,
+# 13 min -> 9.5 min on 2 cores. --dist loadfile keeps each file, and its module fixtures, on one worker.
+TEST_WORKERS ?= 2
 test: install
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # While editing: the tests/ folder without the tests marked slow (no notebooks, no benchmarks).
 test-quick: install

@@ -136,7 +136,8 @@ def assert_one_line_interrupt(cell: Cell) -> None:
 
 def assert_usage_error(cell: Cell, says: str) -> None:
     assert cell.status == "error"
-    assert [o["output_type"] for o in cell.outputs] == ["stream"], cell.outputs
+    # Only stderr text: one line, though the kernel may send it in pieces (the notebook joins them).
+    assert {(o["output_type"], o.get("name")) for o in cell.outputs} == {("stream", "stderr")}, cell.outputs
     text = cell.text("stderr")
     assert text.endswith("\n") and text.count("\n") == 1, text
     assert text.startswith("UsageError: ") and says in text, text
