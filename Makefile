@@ -48,7 +48,7 @@ test: install
 
 # While editing: the tests/ folder without the tests marked slow (no notebooks, no benchmarks).
 test-quick: install
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not slow" tests/
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests/
 
 # Re-execute the lesson and solution notebooks and store their outputs (what nbval compares),
 # dropping the per-cell execution timestamps so diffs show only real changes, and the saved
