@@ -52,7 +52,8 @@ def parse_line(magic, line: str, name: str) -> argparse.Namespace:
     # NOTE: split like a shell (quotes removed), not with IPython's own
     # `parse_argstring`, whose non-POSIX split keeps the quotes: --ranks "0,2".
     try:
-        return magic.parser.parse_args(shlex.split(line))
+        # comments=True: a `# ...` after the options is a comment, as on any line of Python.
+        return magic.parser.parse_args(shlex.split(line, comments=True))
     except (UsageError, ValueError) as exc:  # ValueError: shlex, e.g. "No closing quotation"
         raise UsageError(f"{name}: {exc}") from None
 
