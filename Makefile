@@ -37,8 +37,11 @@ $(VENV)/.installed: pyproject.toml
 # As root (workshop containers, cloud notebooks) Jupyter refuses to start without --allow-root.
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
+# The repository root is served (lessons link to exercises/ and solutions/); lesson 00 opens first.
+# Without root_dir, Jupyter would serve only the folder of the file it opens.
+LAB_ARGS := --ServerApp.root_dir=. notebooks/00_setup.ipynb
 lab: install
-	HF_HUB_OFFLINE=1 $(BIN)/jupyter lab $(ROOT_FLAG) notebooks/00_setup.ipynb
+	HF_HUB_OFFLINE=1 $(BIN)/jupyter lab $(ROOT_FLAG) $(LAB_ARGS)
 
 # Two workers (TEST_WORKERS): the suite's many waits (deadlines, kernel round trips) overlap,
 # 13 min -> 9.5 min on 2 cores. --dist loadfile keeps each file, and its module fixtures, on one worker.
