@@ -33,7 +33,7 @@ from multiprocessing.connection import Connection, answer_challenge, deliver_cha
 import psutil
 
 from ..backend_choice import BackendChoice
-from ..launcher.diagnosis import collect, describe_stuck, lost_peer
+from ..launcher.diagnosis import collect, describe_stuck, first_failure
 from ..launcher.processes import ProcessTree
 from ..launcher.torchrun import LaunchResult
 from ..rank.contract import ledger_file
@@ -188,7 +188,9 @@ class RankSet:
 
         if first_dead is not None:
             self._settle(pending, exit_codes)
-        root = self._root_cause(exit_codes, job_dir) if first_dead is not None else None
+        stderr = {r: self._read(job_dir / f"stderr.rank{r}.txt") for r in range(nproc)}
+        # Several ranks may fail with the same error: name the lowest whose error is its own, not a lost peer.
+        root = first_failure(exit_codes, stderr, reported=None) if first_dead is not None else None
         stacks, diagnosis = {}, []
         if timed_out or interrupted:
             stuck = {r: self._pids[r] for r in pending}
@@ -205,7 +207,7 @@ class RankSet:
         return LaunchResult(
             nproc=nproc, choice=GLOO,
             stdout={r: self._read(job_dir / f"stdout.rank{r}.txt") for r in range(nproc)},
-            stderr={r: self._read(job_dir / f"stderr.rank{r}.txt") for r in range(nproc)},
+            stderr=stderr,
             exit_codes=exit_codes, not_started=[], root_cause=root,
             timed_out=timed_out, interrupted=False, agent_output="",
             agent_exit_code=None if timed_out else (1 if failed else 0),
@@ -222,12 +224,6 @@ class RankSet:
                 if self._conns[rank] in ready and self._message(rank) is None:
                     exit_codes[rank] = self._server.exit_code(self._pids[rank])
                     pending.discard(rank)
-
-    def _root_cause(self, exit_codes: dict, job_dir: pathlib.Path) -> int:
-        """The lowest failed rank whose own error is not a peer's disappearance (else the lowest failed)."""
-        failed = sorted(r for r, code in exit_codes.items() if code not in (0, None))
-        own = [r for r in failed if not lost_peer(self._read(job_dir / f"stderr.rank{r}.txt"))]
-        return (own or failed)[0]
 
     def _message(self, rank: int) -> dict | None:
         """The rank's next message ({} if it is not JSON: the learner's noise); None once it has ended."""
