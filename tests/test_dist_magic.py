@@ -268,6 +268,10 @@ def test_state_persists_and_output_is_rank_ordered(kernel):
     assert [o["output_type"] for o in cell.outputs][:2] == ["stream", "display_data"]
     assert cell.of_type("display_data")[0]["data"] == {"text/plain": ""}
     assert cell.updates and cell.updates[-1] == ""
+    # Sent as nbclient and nbval send cells (nobody watching): no live view, so none is stored.
+    batch = kernel.execute("%%dist\nprint(f'x = {x}')\n", allow_stdin=False)
+    assert [o["output_type"] for o in batch.outputs] == ["stream", "stream"] and not batch.updates
+    assert lines(batch) == [HEADER, "[rank 0] x = 0", "[rank 1] x = 10"]
 
 
 def test_publish_fills_results_and_ledgers_list_the_collectives(kernel):

@@ -65,9 +65,12 @@ class Kernel:
         self.kc.wait_for_ready(timeout=60)
         self.load_ext: Cell | None = None  # the module's first cell, `%load_ext course_lib`
 
-    def execute(self, code: str, *, timeout_s: float = 60, during=None) -> Cell:
-        """Run one cell; `during(cell_so_far)` is called about every 0.1 s while it runs."""
-        msg_id = self.kc.execute(code)
+    def execute(self, code: str, *, timeout_s: float = 60, during=None, allow_stdin: bool = True) -> Cell:
+        """Run one cell; `during(cell_so_far)` is called about every 0.1 s while it runs.
+
+        allow_stdin=False sends the cell as batch runners (nbclient, nbval) do.
+        """
+        msg_id = self.kc.execute(code, allow_stdin=allow_stdin)
         started = time.monotonic()
         outputs: list[dict] = []
         updates: list[str] = []

@@ -10,11 +10,12 @@ import sys
 import time
 from typing import Callable, TypeVar
 
+from IPython import get_ipython
 from IPython.display import display
 
 from ..launcher.rank_output import rank_block
 
-__all__ = ["LiveView", "print_diagnosis", "print_rank_blocks", "run_live"]
+__all__ = ["LiveView", "print_diagnosis", "print_rank_blocks", "run_live", "someone_is_watching"]
 
 LIVE_LINES = 30  # lines kept in the live view while a cell runs
 LIVE_REFRESH_S = 0.2
@@ -22,11 +23,23 @@ LIVE_REFRESH_S = 0.2
 T = TypeVar("T")
 
 
+def someone_is_watching() -> bool:
+    """True when the cell was sent by an interactive front-end (JupyterLab, Notebook, VS Code).
+
+    Those send `allow_stdin=True` (they can answer `input()`); batch runners
+    (nbconvert/nbclient, which store the lessons' outputs, and nbval) send
+    False. Nobody sees a live view in a batch run, and the empty display it
+    ends as would be stored in the notebook, so batch runs get none.
+    """
+    kernel = getattr(get_ipython(), "kernel", None)
+    return bool(getattr(kernel, "_allow_stdin", False))
+
+
 class LiveView:
     """A display that shows the latest rank lines while the cell runs, and is empty after.
 
-    It starts and ends empty so that the stored notebook (where the last
-    update wins) and nbval (which sees only the first display) agree.
+    It starts and ends empty: it only matters while the cell runs, and the
+    rank-ordered blocks printed after it carry every line.
     """
 
     def __init__(self):
@@ -64,6 +77,8 @@ def run_live(header: str, run: Callable[..., T]) -> T:
     call `on_output(rank, stream, text)` as ranks write and `on_poll()` while waiting.
     """
     print(header, flush=True)
+    if not someone_is_watching():
+        return run(on_output=lambda rank, stream, text: None, on_poll=lambda: None)
     live = LiveView()
     try:
         return run(on_output=live.add, on_poll=live.refresh)

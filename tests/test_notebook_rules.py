@@ -1,0 +1,85 @@
+"""The rules every stored notebook keeps (README, "Writing a lesson"), checked on the files as committed.
+
+What a learner sees first is the stored output: no absolute paths, no empty
+placeholders, no widget that can only say "model not found". And each lesson
+stays within its budget: at most 50 cells and 8 `cl.*` names.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import nbformat
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+STORED = sorted(p for folder in ("notebooks", "solutions", "exercises") for p in (ROOT / folder).glob("*.ipynb"))
+LESSONS = sorted(p for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb") if "appendix" not in p.name)
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+MAX_CELLS = 50
+MAX_CL_NAMES = 8
+
+# A path of this machine: a home, a checkout, a venv, a temporary folder, or a Windows drive.
+ABSOLUTE_PATH = re.compile(r"(?<![\w.<])(?:/(?:home|Users|work|tmp|usr|opt|root|var|private|srv|mnt)/|[A-Za-z]:\\)")
+
+
+def _outputs(nb):
+    for index, cell in enumerate(nb.cells):
+        for output in cell.get("outputs", []):
+            yield index, output
+
+
+def _text(output) -> str:
+    if output.output_type == "stream":
+        return output.text
+    return "".join(str(v) for k, v in output.get("data", {}).items() if k.startswith("text/"))
+
+
+def test_the_checks_find_what_they_look_for():
+    # The patterns themselves: a path the old lesson 00 stored, and what must not match.
+    assert ABSOLUTE_PATH.search('File "/work/main/.venv/lib/python3.11/site-packages/torch/x.py"')
+    assert ABSOLUTE_PATH.search(r"C:\Users\me\course")
+    assert not ABSOLUTE_PATH.search('File "torch/distributed/distributed_c10d.py", line N')
+    assert not ABSOLUTE_PATH.search("<site-packages>/torch/ and 4/8 ranks and tcp://localhost:1234/x")
+
+
+@pytest.mark.parametrize("path", STORED, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_stored_outputs_show_no_absolute_path(path):
+    nb = nbformat.read(path, as_version=4)
+    found = [(i, m.group(0)) for i, out in _outputs(nb) for m in ABSOLUTE_PATH.finditer(_text(out))]
+    assert not found, f"cells with an absolute path in their output: {found}"
+
+
+@pytest.mark.parametrize("path", STORED, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_stored_outputs_have_no_empty_placeholder(path):
+    nb = nbformat.read(path, as_version=4)
+    empty = [i for i, out in _outputs(nb) if out.output_type != "error"
+             and not _text(out).strip() and not any(k.startswith("image/") for k in out.get("data", {}))]
+    assert not empty, f"cells with an empty output (a live view or display left behind): {empty}"
+
+
+@pytest.mark.parametrize("path", STORED, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_stored_widget_can_be_shown_without_its_kernel(path):
+    """JupyterLab renders a stored widget from the notebook's saved widget state; without it,
+    a trusted notebook shows "model not found". The PNG serves front-ends with no widget manager."""
+    nb = nbformat.read(path, as_version=4)
+    saved = nb.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
+    for index, out in _outputs(nb):
+        view = out.get("data", {}).get(WIDGET_VIEW)
+        if view is None:
+            continue
+        assert "image/png" in out.data, f"cell {index}: a widget without a static PNG"
+        assert view["model_id"] in saved, f"cell {index}: widget {view['model_id']} has no saved state"
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name)
+def test_lesson_within_budget(path):
+    nb = nbformat.read(path, as_version=4)
+    assert len(nb.cells) <= MAX_CELLS, f"{len(nb.cells)} cells"
+    names = set(re.findall(r"\bcl\.([A-Za-z_]\w*)", "\n".join(c.source for c in nb.cells if c.cell_type == "code")))
+    assert len(names) <= MAX_CL_NAMES, sorted(names)
+    text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    for part in ("**Goal.**", "## Summary", "## Exercises"):
+        assert part in text, f"no {part!r}"
