@@ -46,11 +46,11 @@ def _alive_now(procs, timeout_s: float = 0.0) -> list[psutil.Process]:
 
 
 class DistKernel(Kernel):
-    def execute(self, code: str, *, timeout_s: float = 60, during=None) -> Cell:
+    def execute(self, code: str, *, timeout_s: float = 60, during=None, allow_stdin: bool = True) -> Cell:
         """Kernel.execute; processes alive after the cell (a pool) are listed in leftovers, not killed."""
         with mock.patch.object(test_magic_kernel, "still_alive", _alive_now), \
              mock.patch.object(test_magic_kernel, "kill_quietly", lambda procs: None):
-            return super().execute(code, timeout_s=timeout_s, during=during)
+            return super().execute(code, timeout_s=timeout_s, during=during, allow_stdin=allow_stdin)
 
     def processes(self) -> list[psutil.Process]:
         """Every living process this kernel started (by mark, and below it)."""
