@@ -1,5 +1,5 @@
 """Lesson 01's exercises, graded on real gloo ranks: the solution scores full marks, the stub
-zero with its hint, and each plausible wrong answer loses exactly the points its mistake
+zero with its hint (shown once per report), and each plausible wrong answer loses exactly the points its mistake
 deserves, with a message that names what is wrong."""
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ import nbformat
 import pytest
 
 import grading_answers as answers
+from course_lib.grading.authoring import BEGIN_LINE
 from course_lib.grading.cells import exercise_cells
 from course_lib.grading.checker import Limits, check_exercise
+from course_lib.grading.gradescope import results_json
 from course_lib.grading.registry import exercise, exercises_of_lesson
 from course_lib.grading.report import item_line
 
@@ -34,13 +36,27 @@ def test_solution_scores_full_marks(exercise_id):
     assert sum(item.score for item in items) == exercise(exercise_id).points > 0
 
 
+def _hint(answer_cell: str) -> str:
+    """The hint on the solution cell's `### BEGIN SOLUTION hint: ...` line (what its stub raises)."""
+    (hint,) = [m.group(1) for line in answer_cell.splitlines() if (m := BEGIN_LINE.fullmatch(line.strip()))]
+    return hint
+
+
 @pytest.mark.parametrize("exercise_id", IDS)
-def test_stub_scores_zero_and_says_what_to_write(exercise_id):
+def test_stub_scores_zero_and_says_what_to_write_once(exercise_id):
     items = check_exercise(exercise(exercise_id), STUBS[exercise_id])
     assert sum(item.score for item in items) == 0
+    hint = _hint(SOLUTIONS[exercise_id])
     for item in items:
-        assert f"NotImplementedError: {exercise_id}: " in item.message, item.message
+        assert f"NotImplementedError: this part of {exercise_id} is not written yet" in item.message, item.message
         assert item.message.startswith("rank "), item.message  # names the rank that raised
+        assert hint not in item.message and item.hint == hint
+    # The report, as cl.check prints it, and the Gradescope results: the hint once, not once per item.
+    shown: set[str] = set()
+    report = "\n".join(item_line(item, shown) for item in items)
+    assert report.count(hint) == 1 and report.count("hint: ") == 1, report
+    tests = results_json({exercise_id: items}, extra={})["tests"]
+    assert [hint in test["output"] for test in tests] == [True] + [False] * (len(tests) - 1)
 
 
 def _lost(items) -> dict[str, str]:
