@@ -11,6 +11,7 @@ import nbformat
 import pytest
 
 import grading_answers as answers
+from test_magic_kernel import Kernel
 from course_lib.grading.authoring import BEGIN_LINE
 from course_lib.grading.cells import exercise_cells
 from course_lib.grading.checker import Limits, check_exercise
@@ -114,3 +115,22 @@ def test_ring_with_the_wrong_neighbour_hangs_on_4_ranks_and_the_deadline_says_wh
     message = items[0].message
     assert message.startswith("did not finish within 6 s on 4 ranks (")
     assert "rank 0 is waiting in recv #" in message, message
+
+
+def test_in_a_kernel_check_before_saving_is_one_line_and_a_stub_prints_its_hint_once(tmp_path):
+    """The learner's path in JupyterLab: cl.check before the %%exercise cell ran, then on the stub."""
+    kernel = Kernel(tmp_path / "kernel.log")
+    try:
+        assert kernel.execute("%load_ext course_lib\nimport course_lib as cl", timeout_s=30).status == "ok"
+        early = kernel.execute('cl.check("01.ring_allreduce")', timeout_s=30)
+        (error,) = early.of_type("error")
+        assert (error["ename"], error["traceback"]) == ("CheckError", [f"CheckError: {error['evalue']}"])
+        assert "run the cell that starts with %%exercise 01.ring_allreduce first" in error["evalue"]
+        assert early.seen == {}, early.names  # no rank, no rank server: nothing ran
+        assert kernel.execute(STUBS["01.ring_allreduce"], timeout_s=30).status == "ok"
+        report = kernel.execute('cl.check("01.ring_allreduce")', timeout_s=120)
+        printed = report.text("stdout")
+        assert report.status == "ok" and printed.count("  FAIL  ") == sum(len(run.items) for run in exercise("01.ring_allreduce").runs)
+        assert printed.count(_hint(SOLUTIONS["01.ring_allreduce"])) == 1, printed
+    finally:
+        kernel.shutdown()
