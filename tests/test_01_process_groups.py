@@ -114,7 +114,26 @@ def test_ring_with_the_wrong_neighbour_hangs_on_4_ranks_and_the_deadline_says_wh
     assert [item.score for item in items] == [0, 0]
     message = items[0].message
     assert message.startswith("did not finish within 6 s on 4 ranks (")
-    assert "rank 0 is waiting in recv #" in message, message
+    assert "rank 0 is still in your function: it is waiting in recv #" in message, message
+
+
+@pytest.mark.parametrize("exercise_id, source, phrases", [
+    ("01.ring_allreduce", answers.RING_RANK_1_RETURNS, [
+        # Numbered among the learner's calls: the checker's barrier before the function is not its #1.
+        "rank 0 is still in your function: it is waiting in recv #1 (40 B, world group)",
+        "rank 1 finished your function and waits in the checker's barrier (world group)"]),
+    ("01.grid_groups", answers.GRID_RANK_0_STUCK, [
+        "rank 0 is still in your function: it is waiting in recv #1 (4 B, world group)",
+        "rank 1 finished your function and waits in the checker's all_reduce (ranks 0,1 group)"]),
+], ids=["ring-barrier-after", "grid-driver-all-reduce"])
+def test_a_hang_in_the_checkers_own_collective_says_it_is_the_checkers(exercise_id, source, phrases):
+    found = exercise(exercise_id)
+    first_run = dataclasses.replace(found, runs=found.runs[:1])
+    items = check_exercise(first_run, source, limits=Limits(run_timeout_s=4))
+    message = items[0].message
+    assert message.startswith(f"did not finish within 4 s on {found.runs[0].nproc} ranks ("), message
+    for phrase in phrases:
+        assert phrase in message, message
 
 
 def test_in_a_kernel_check_before_saving_is_one_line_and_a_stub_prints_its_hint_once(tmp_path):
