@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import re
 
 import nbformat
 import pytest
@@ -13,7 +14,7 @@ import pytest
 import grading_answers as answers
 from test_magic_kernel import Kernel
 from course_lib.grading.authoring import BEGIN_LINE
-from course_lib.grading.cells import exercise_cells
+from course_lib.grading.cells import EXERCISE_ID, exercise_cells
 from course_lib.grading.checker import Limits, check_exercise
 from course_lib.grading.gradescope import results_json
 from course_lib.grading.registry import exercise, exercises_of_lesson
@@ -25,9 +26,67 @@ STUBS = exercise_cells(nbformat.read(ROOT / "exercises" / "01_process_groups.ipy
 IDS = exercises_of_lesson("01")
 
 
-def test_lesson_01_has_its_three_exercises_in_both_notebooks():
+def _markdown(notebook: str) -> list[str]:
+    nb = nbformat.read(ROOT / notebook / "01_process_groups.ipynb", as_version=4)
+    return [cell.source for cell in nb.cells if cell.cell_type == "markdown"]
+
+
+def _sections(notebook: str) -> dict[str, str]:
+    """{exercise id: the markdown from its "## <id>: ..." heading to the next heading}."""
+    sections, current = {}, None
+    for text in _markdown(notebook):
+        heading = re.match(r"## (\S+):", text)
+        if text.startswith("#"):
+            current = heading.group(1) if heading else None
+        if current:
+            sections[current] = sections.get(current, "") + text + "\n"
+    return sections
+
+
+@pytest.mark.parametrize("notebook", ["solutions", "exercises"])
+def test_the_notebook_lists_exactly_the_exercises_graded(notebook):
     assert IDS == ["01.ring_allreduce", "01.allgather_from_broadcast", "01.grid_groups"]
-    assert sorted(SOLUTIONS) == sorted(STUBS) == sorted(IDS)
+    cells = exercise_cells(nbformat.read(ROOT / notebook / "01_process_groups.ipynb", as_version=4))
+    assert list(cells) == IDS  # the %%exercise cells, in the registry's order
+    markdown = "\n".join(_markdown(notebook))
+    assert re.findall(r"^\d+\. `(\S+)`", markdown, re.M) == IDS  # the list under Goal
+    assert list(_sections(notebook)) == IDS
+    named = set(re.findall(rf"\b{EXERCISE_ID.pattern}\b", markdown))
+    assert named <= set(IDS), f"the text names exercises nobody grades: {sorted(named - set(IDS))}"
+
+
+def _shape(value) -> str:
+    """How the text writes an input: a tensor's shape or a grid as 3x4, a 1-d tensor's as 10."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return "x".join(map(str, value.shape))
+    return "x".join(map(str, value))
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_each_exercise_states_its_deadline_cases_and_allowed_calls(exercise_id):
+    """What the checks enforce (lesson01.py, rank_runner's blocked calls), as the learner reads it."""
+    import torch
+
+    text, found = _sections("solutions")[exercise_id], exercise(exercise_id)
+    for run in found.runs:
+        assert f"deadline of {run.timeout_s:g} s" in text
+        assert f"{run.nproc} ranks" in text
+        for case in run.make_inputs(run.nproc):
+            args = case[0]
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            for tensor in tensors:
+                assert str(tensor.dtype).removeprefix("torch.") in text, tensor.dtype
+            for shown in (map(_shape, tensors) if tensors else [_shape(args)]):
+                assert re.search(rf"\b{shown}\b", text), f"{exercise_id}: no case of shape {shown}"
+    if found.allowed_ops is None:
+        assert "Any torch.distributed call" in text
+    else:
+        for op in sorted(found.allowed_ops):
+            assert f"`dist.{op}`" in text
+        assert "Any other collective or point-to-point call" in text
+    assert "`dist.get_rank()`" in text or found.allowed_ops is None  # not a communication: never blocked
 
 
 @pytest.mark.parametrize("exercise_id", IDS)
