@@ -50,6 +50,17 @@ def ring_allreduce(tensor):
 RING_WRONG_PEER = RING_SOLUTION.replace("recv_from = (rank + 1) % world, (rank - 1) % world",
                                         "recv_from = (rank + 1) % world, (rank + 1) % world")
 
+# Rank 1 returns at once while rank 0 waits for its message: rank 0 is stuck in the learner's recv,
+# rank 1 in the checker's barrier after the function.
+RING_RANK_1_RETURNS = '''%%exercise 01.ring_allreduce
+import torch.distributed as dist
+
+
+def ring_allreduce(tensor):
+    if dist.get_rank() == 0:
+        dist.recv(tensor.clone(), 1)
+'''
+
 RING_USES_ALL_REDUCE = '''%%exercise 01.ring_allreduce
 import torch.distributed as dist
 
@@ -128,3 +139,11 @@ def grid_groups(rows: int, cols: int):
 
 # Rows and columns swapped: both kinds of group exist, each rank gets the other one.
 GRID_SWAPPED = GRID_SOLUTION.replace("return row_group, col_group", "return col_group, row_group")
+
+# Rank 0 waits for a message nobody sends after creating the groups: ranks 1-3 return them and wait
+# in the checker's all_reduce over each (drivers.process_groups).
+GRID_RANK_0_STUCK = GRID_SOLUTION.replace("    return row_group, col_group", """\
+    if rank == 0:
+        import torch
+        dist.recv(torch.zeros(1), 1)
+    return row_group, col_group""")

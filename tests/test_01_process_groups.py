@@ -1,18 +1,22 @@
 """Lesson 01's exercises, graded on real gloo ranks: the solution scores full marks, the stub
-zero with its hint, and each plausible wrong answer loses exactly the points its mistake
+zero with its hint (shown once per report), and each plausible wrong answer loses exactly the points its mistake
 deserves, with a message that names what is wrong."""
 
 from __future__ import annotations
 
 import dataclasses
 import pathlib
+import re
 
 import nbformat
 import pytest
 
 import grading_answers as answers
-from course_lib.grading.cells import exercise_cells
+from test_magic_kernel import Kernel
+from course_lib.grading.authoring import BEGIN_LINE
+from course_lib.grading.cells import EXERCISE_ID, exercise_cells
 from course_lib.grading.checker import Limits, check_exercise
+from course_lib.grading.gradescope import results_json
 from course_lib.grading.registry import exercise, exercises_of_lesson
 from course_lib.grading.report import item_line
 
@@ -22,9 +26,67 @@ STUBS = exercise_cells(nbformat.read(ROOT / "exercises" / "01_process_groups.ipy
 IDS = exercises_of_lesson("01")
 
 
-def test_lesson_01_has_its_three_exercises_in_both_notebooks():
+def _markdown(notebook: str) -> list[str]:
+    nb = nbformat.read(ROOT / notebook / "01_process_groups.ipynb", as_version=4)
+    return [cell.source for cell in nb.cells if cell.cell_type == "markdown"]
+
+
+def _sections(notebook: str) -> dict[str, str]:
+    """{exercise id: the markdown from its "## <id>: ..." heading to the next heading}."""
+    sections, current = {}, None
+    for text in _markdown(notebook):
+        heading = re.match(r"## (\S+):", text)
+        if text.startswith("#"):
+            current = heading.group(1) if heading else None
+        if current:
+            sections[current] = sections.get(current, "") + text + "\n"
+    return sections
+
+
+@pytest.mark.parametrize("notebook", ["solutions", "exercises"])
+def test_the_notebook_lists_exactly_the_exercises_graded(notebook):
     assert IDS == ["01.ring_allreduce", "01.allgather_from_broadcast", "01.grid_groups"]
-    assert sorted(SOLUTIONS) == sorted(STUBS) == sorted(IDS)
+    cells = exercise_cells(nbformat.read(ROOT / notebook / "01_process_groups.ipynb", as_version=4))
+    assert list(cells) == IDS  # the %%exercise cells, in the registry's order
+    markdown = "\n".join(_markdown(notebook))
+    assert re.findall(r"^\d+\. `(\S+)`", markdown, re.M) == IDS  # the list under Goal
+    assert list(_sections(notebook)) == IDS
+    named = set(re.findall(rf"\b{EXERCISE_ID.pattern}\b", markdown))
+    assert named <= set(IDS), f"the text names exercises nobody grades: {sorted(named - set(IDS))}"
+
+
+def _shape(value) -> str:
+    """How the text writes an input: a tensor's shape or a grid as 3x4, a 1-d tensor's as 10."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return "x".join(map(str, value.shape))
+    return "x".join(map(str, value))
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_each_exercise_states_its_deadline_cases_and_allowed_calls(exercise_id):
+    """What the checks enforce (lesson01.py, rank_runner's blocked calls), as the learner reads it."""
+    import torch
+
+    text, found = _sections("solutions")[exercise_id], exercise(exercise_id)
+    for run in found.runs:
+        assert f"deadline of {run.timeout_s:g} s" in text
+        assert f"{run.nproc} ranks" in text
+        for case in run.make_inputs(run.nproc):
+            args = case[0]
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            for tensor in tensors:
+                assert str(tensor.dtype).removeprefix("torch.") in text, tensor.dtype
+            for shown in (map(_shape, tensors) if tensors else [_shape(args)]):
+                assert re.search(rf"\b{shown}\b", text), f"{exercise_id}: no case of shape {shown}"
+    if found.allowed_ops is None:
+        assert "Any torch.distributed call" in text
+    else:
+        for op in sorted(found.allowed_ops):
+            assert f"`dist.{op}`" in text
+        assert "Any other collective or point-to-point call" in text
+    assert "`dist.get_rank()`" in text or found.allowed_ops is None  # not a communication: never blocked
 
 
 @pytest.mark.parametrize("exercise_id", IDS)
@@ -34,13 +96,27 @@ def test_solution_scores_full_marks(exercise_id):
     assert sum(item.score for item in items) == exercise(exercise_id).points > 0
 
 
+def _hint(answer_cell: str) -> str:
+    """The hint on the solution cell's `### BEGIN SOLUTION hint: ...` line (what its stub raises)."""
+    (hint,) = [m.group(1) for line in answer_cell.splitlines() if (m := BEGIN_LINE.fullmatch(line.strip()))]
+    return hint
+
+
 @pytest.mark.parametrize("exercise_id", IDS)
-def test_stub_scores_zero_and_says_what_to_write(exercise_id):
+def test_stub_scores_zero_and_says_what_to_write_once(exercise_id):
     items = check_exercise(exercise(exercise_id), STUBS[exercise_id])
     assert sum(item.score for item in items) == 0
+    hint = _hint(SOLUTIONS[exercise_id])
     for item in items:
-        assert f"NotImplementedError: {exercise_id}: " in item.message, item.message
+        assert f"NotImplementedError: this part of {exercise_id} is not written yet" in item.message, item.message
         assert item.message.startswith("rank "), item.message  # names the rank that raised
+        assert hint not in item.message and item.hint == hint
+    # The report, as cl.check prints it, and the Gradescope results: the hint once, not once per item.
+    shown: set[str] = set()
+    report = "\n".join(item_line(item, shown) for item in items)
+    assert report.count(hint) == 1 and report.count("hint: ") == 1, report
+    tests = results_json({exercise_id: items}, extra={})["tests"]
+    assert [hint in test["output"] for test in tests] == [True] + [False] * (len(tests) - 1)
 
 
 def _lost(items) -> dict[str, str]:
@@ -97,4 +173,42 @@ def test_ring_with_the_wrong_neighbour_hangs_on_4_ranks_and_the_deadline_says_wh
     assert [item.score for item in items] == [0, 0]
     message = items[0].message
     assert message.startswith("did not finish within 6 s on 4 ranks (")
-    assert "rank 0 is waiting in recv #" in message, message
+    assert "rank 0 is still in your function: it is waiting in recv #" in message, message
+
+
+@pytest.mark.parametrize("exercise_id, source, phrases", [
+    ("01.ring_allreduce", answers.RING_RANK_1_RETURNS, [
+        # Numbered among the learner's calls: the checker's barrier before the function is not its #1.
+        "rank 0 is still in your function: it is waiting in recv #1 (40 B, world group)",
+        "rank 1 finished your function and waits in the checker's barrier (world group)"]),
+    ("01.grid_groups", answers.GRID_RANK_0_STUCK, [
+        "rank 0 is still in your function: it is waiting in recv #1 (4 B, world group)",
+        "rank 1 finished your function and waits in the checker's all_reduce (ranks 0,1 group)"]),
+], ids=["ring-barrier-after", "grid-driver-all-reduce"])
+def test_a_hang_in_the_checkers_own_collective_says_it_is_the_checkers(exercise_id, source, phrases):
+    found = exercise(exercise_id)
+    first_run = dataclasses.replace(found, runs=found.runs[:1])
+    items = check_exercise(first_run, source, limits=Limits(run_timeout_s=4))
+    message = items[0].message
+    assert message.startswith(f"did not finish within 4 s on {found.runs[0].nproc} ranks ("), message
+    for phrase in phrases:
+        assert phrase in message, message
+
+
+def test_in_a_kernel_check_before_saving_is_one_line_and_a_stub_prints_its_hint_once(tmp_path):
+    """The learner's path in JupyterLab: cl.check before the %%exercise cell ran, then on the stub."""
+    kernel = Kernel(tmp_path / "kernel.log")
+    try:
+        assert kernel.execute("%load_ext course_lib\nimport course_lib as cl", timeout_s=30).status == "ok"
+        early = kernel.execute('cl.check("01.ring_allreduce")', timeout_s=30)
+        (error,) = early.of_type("error")
+        assert (error["ename"], error["traceback"]) == ("CheckError", [f"CheckError: {error['evalue']}"])
+        assert "run the cell that starts with %%exercise 01.ring_allreduce first" in error["evalue"]
+        assert early.seen == {}, early.names  # no rank, no rank server: nothing ran
+        assert kernel.execute(STUBS["01.ring_allreduce"], timeout_s=30).status == "ok"
+        report = kernel.execute('cl.check("01.ring_allreduce")', timeout_s=120)
+        printed = report.text("stdout")
+        assert report.status == "ok" and printed.count("  FAIL  ") == sum(len(run.items) for run in exercise("01.ring_allreduce").runs)
+        assert printed.count(_hint(SOLUTIONS["01.ring_allreduce"])) == 1, printed
+    finally:
+        kernel.shutdown()

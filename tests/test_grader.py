@@ -168,6 +168,20 @@ def test_csv_has_one_row_per_submission(graded):
     assert rows["a_good"] == ["5", "5", "5"]
 
 
+def test_a_submission_without_the_exercise_cell_scores_zero_saying_which_cell_is_missing(tmp_path):
+    from course_lib.grading.grader import grade_submission
+    from course_lib.grading.spec import Limits
+
+    nb = nbformat.read(EXERCISES, as_version=4)
+    nb.cells = [c for c in nb.cells if not c.source.startswith(f"%%exercise {RING}")]
+    path = tmp_path / "01_process_groups.ipynb"
+    nbformat.write(nb, path)
+    graded, note = grade_submission(path, [RING], {}, Limits())
+    assert list(graded) == [RING] and note == ""
+    assert [(item.score, item.message) for item in graded[RING]] == \
+        [(0.0, f"no answer: the notebook has no cell that starts with %%exercise {RING}")] * RING_POINTS
+
+
 def test_hanging_submission_scores_zero_within_its_deadlines(graded):
     _, elapsed, _, _, results = graded
     tests = _tests(results["b_hangs"])

@@ -8,7 +8,8 @@
 
 Modules: spec (what an exercise is), lesson01 (the exercises and their judges),
 drivers + rank_runner (on the ranks), rank_set (the ranks of one submission,
-started once, reused run after run), checker (run and judge), registry (public
+started once, reused run after run), stuck (who waits where at a deadline, yours or the
+checker's), checker (run and judge), registry (public
 and hidden checks), cells (finding answers), check (`cl.check`), report, grader
 (the CLI behind `python -m course_lib.grade`), parallel (`--jobs N`). The `%%exercise` magic is in
 course_lib/magics/exercise_magic.py.

@@ -33,7 +33,7 @@ from pathlib import Path
 import nbformat
 from nbformat import NotebookNode
 
-from .cells import EXERCISE_ID
+from .cells import EXERCISE_ID, stub_message
 
 __all__ = ["MarkerError", "exercise_from_solution", "generate_all", "main"]
 
@@ -107,7 +107,7 @@ def _stub(begin_line: str, exercise_id: str, hint: str | None) -> str:
     """The `raise NotImplementedError(...)` line that replaces one region."""
     indent = begin_line[: len(begin_line) - len(begin_line.lstrip())]
     ending = begin_line[len(begin_line.rstrip("\r\n")):]  # keep the cell's own line ending
-    message = f"{exercise_id}: {hint or DEFAULT_HINT}"
+    message = stub_message(exercise_id, hint or DEFAULT_HINT)
     return f"{indent}raise NotImplementedError({_py_string(message)}){ending}"
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["EXERCISE_ID", "EXERCISE_LINE", "exercise_cells", "parse_exercise_line", "remember", "remembered"]
+__all__ = ["EXERCISE_ID", "EXERCISE_LINE", "exercise_cells", "parse_exercise_line", "remember", "remembered",
+           "stub_hint", "stub_message"]
 
 EXERCISE_ID = re.compile(r"\d\d\.[a-z0-9_]+")  # lesson number, a dot, a name: 01.ring_allreduce
 EXERCISE_LINE = re.compile(rf"^%%exercise\s+({EXERCISE_ID.pattern})\s*$")
@@ -33,6 +34,19 @@ def exercise_cells(nb) -> dict[str, str]:
         if exercise_id:
             found[exercise_id] = source
     return found
+
+
+def stub_message(exercise_id: str, hint: str) -> str:
+    """What an exercise notebook's stub raises: `NotImplementedError("01.ring_allreduce: <hint>")` (authoring.py)."""
+    return f"{exercise_id}: {hint}"
+
+
+def stub_hint(error_line: str, exercise_id: str) -> str | None:
+    """The hint in the last line of a stub's traceback, "NotImplementedError: <id>: <hint>"; None for any other error."""
+    prefix = f"NotImplementedError: {stub_message(exercise_id, '')}"
+    if not error_line.startswith(prefix):
+        return None
+    return error_line[len(prefix):].strip() or None
 
 
 def remember(exercise_id: str, source: str) -> None:

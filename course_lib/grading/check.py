@@ -43,11 +43,14 @@ def check(exercise_id: str) -> CheckReport:
         raise CheckError(str(exc)) from None
     source = remembered(exercise_id)
     if source is None:
-        raise CheckError(f"{exercise_id}: run its %%exercise {exercise_id} cell first (it saves your answer)")
+        # Before any rank starts: nothing ran, so this is not a rank's failure (RankFailure) but a step missed.
+        raise CheckError(f"{exercise_id}: no answer saved in this kernel yet: run the cell that starts with "
+                         f"%%exercise {exercise_id} first (running it saves your answer)")
     sizes = sorted({run.nproc for run in found.runs})
     runs = f"{len(found.runs)} run{'s' if len(found.runs) != 1 else ''}"
     print(f"{exercise_id}: {runs} on real ranks (gloo, {' and '.join(map(str, sizes))} ranks)", flush=True)
-    items = check_exercise(found, source, on_item=lambda item: print(item_line(item), flush=True))
+    hints_shown: set[str] = set()  # a stub fails every item with the same hint: print it once
+    items = check_exercise(found, source, on_item=lambda item: print(item_line(item, hints_shown), flush=True))
     report = CheckReport(exercise_id, items)
     verdict = "all checks pass" if report.passed else "not yet"
     print(f"{exercise_id}: {score_text(report.score, report.max_score)} points, {verdict}")

@@ -90,7 +90,8 @@ def grade_submission(path: pathlib.Path, wanted: list[str] | None, hidden: dict,
     with rank_set_for(answered, limits, server) as ranks:
         for exercise_id in ids:
             if exercise_id not in cells:
-                graded[exercise_id] = _zero(exercise_id, hidden, f"no %%exercise {exercise_id} cell in the notebook")
+                graded[exercise_id] = _zero(exercise_id, hidden, f"no answer: the notebook has no cell that starts "
+                                                                 f"with %%exercise {exercise_id}")
             else:
                 graded[exercise_id] = check_exercise(exercise(exercise_id, hidden), cells[exercise_id],
                                                      limits=limits, ranks=ranks)

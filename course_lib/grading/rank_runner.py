@@ -14,8 +14,16 @@ this process:
 4. block the torch.distributed calls the exercise does not allow (put back after the run);
 5. run the cell, find the function, call it through the exercise's driver per
    case, timing each case so the checker can split the ledger by case;
-6. write the outputs with torch.save (atomically) for the checker, which loads
+6. put the blocked calls back and wait in a barrier until every rank has
+   finished the learner's function, so a rank that finished early cannot leave
+   (destroy the group) while a peer still waits for its messages: that peer
+   would fail with gloo's "Connection closed by peer" and be blamed for it;
+7. write the outputs with torch.save (atomically) for the checker, which loads
    them with weights_only=True; destroy the group and report "done".
+
+Each rank appends to `phase.rank<N>.txt` in the run's folder when it enters and
+leaves the learner's function, so that at a deadline the checker can tell the
+learner's collectives from its own (stuck.py).
 
 Resource limits (CPU seconds, memory, bytes written to any file, which also caps
 output) are set once, before any learner code runs, for the process's life: a
@@ -47,9 +55,11 @@ from ..rank import ledger
 from ..rank.contract import CELL_LABEL, ENV_LAUNCH_MARK, ledger_file, stacks_file
 from .drivers import DRIVERS
 
-__all__ = ["EXIT_NO_FUNCTION", "serve"]
+__all__ = ["EXIT_NO_FUNCTION", "PHASES", "phase_file", "serve"]
 
 EXIT_NO_FUNCTION = 3  # the cell ran but defines no function of the expected name
+# Where a rank is in a run: the checker's set-up, the learner's function, the checker's code after it.
+PHASES = ("before", "function", "after")
 PARENT_CHECK_S = 0.5  # how often a rank checks that its grader still runs
 
 
@@ -175,6 +185,41 @@ def _load_function(path: str, function: str, exercise_id: str):
     return fn
 
 
+def phase_file(rank: int) -> str:
+    """Name of the file, in a run's folder, of `rank`'s phases: lines "<time.monotonic()> <phase>"."""
+    return f"phase.rank{rank}.txt"
+
+
+class _Phases:
+    """Appends this rank's phase changes to its phase file, unbuffered: the record survives a hang."""
+
+    def __init__(self, path: str):
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+    def mark(self, phase: str) -> None:
+        try:
+            os.write(self.fd, f"{time.monotonic()!r} {phase}\n".encode())
+        except OSError:  # the learner's code closed it or filled the disk quota: only a diagnosis is lost
+            pass
+
+    def around(self, fn):
+        """`fn`, marking "function" when it is entered and "after" when it returns or raises."""
+        def learner_function(*args, **kwargs):
+            self.mark("function")
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.mark("after")
+
+        return learner_function
+
+    def close(self) -> None:
+        try:
+            os.close(self.fd)  # a rank serves run after run: one descriptor per run would pile up
+        except OSError:  # closed already, by the learner's code
+            pass
+
+
 def _set_rank_environment(rank: int, world_size: int) -> None:
     """What torchrun would have set: learners' code may read RANK or WORLD_SIZE."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -182,9 +227,11 @@ def _set_rank_environment(rank: int, world_size: int) -> None:
 
 
 def _run_check(job: dict, rank: int, store) -> None:
-    """One run of one exercise on this rank (steps 1-6 of the module's docstring)."""
+    """One run of one exercise on this rank (steps 1-7 of the module's docstring)."""
     job_dir = job["job_dir"]
     _redirect_output(job_dir, rank)
+    phases = _Phases(os.path.join(job_dir, phase_file(rank)))
+    phases.mark("before")
     inputs_path = os.path.join(job_dir, f"inputs.rank{rank}.pt")
     cases = torch.load(inputs_path, weights_only=True)
     os.unlink(inputs_path)
@@ -198,7 +245,7 @@ def _run_check(job: dict, rank: int, store) -> None:
     dist.barrier()
     blocked = _BlockedOps(job["exercise"], job["allowed_ops"]) if job["allowed_ops"] is not None else None
 
-    fn = _load_function(os.path.join(job_dir, "submission.py"), job["function"], job["exercise"])
+    fn = phases.around(_load_function(os.path.join(job_dir, "submission.py"), job["function"], job["exercise"]))
     driver = DRIVERS[job["driver"]]
     outputs, spans = [], []
     for args in cases:
@@ -206,11 +253,14 @@ def _run_check(job: dict, rank: int, store) -> None:
         outputs.append(driver(fn, *args))
         spans.append((started, time.monotonic()))
 
+    if blocked is not None:
+        blocked.restore()  # the barrier below is the checker's, whatever the exercise allows
+    if dist.is_initialized():  # the learner's code may have destroyed the group, as a script ends
+        dist.barrier()
+    phases.close()
     final = os.path.join(job_dir, f"outputs.rank{rank}.pt")
     torch.save({"outputs": outputs, "spans": spans}, final + ".tmp")
     os.replace(final + ".tmp", final)
-    if blocked is not None:
-        blocked.restore()
     if dist.is_initialized():
         dist.destroy_process_group()
     sys.stdout.flush()

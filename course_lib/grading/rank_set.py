@@ -33,13 +33,14 @@ from multiprocessing.connection import Connection, answer_challenge, deliver_cha
 import psutil
 
 from ..backend_choice import BackendChoice
-from ..launcher.diagnosis import collect, describe_stuck, first_failure
+from ..launcher.diagnosis import collect, first_failure
 from ..launcher.processes import ProcessTree
 from ..launcher.torchrun import LaunchResult
 from ..rank.contract import ledger_file
 from ..rank.ledger import LedgerReader
 from .rank_server import RankServer
 from .spec import Limits
+from .stuck import describe_check_hang, read_phases
 
 __all__ = ["RankSet"]
 
@@ -195,7 +196,9 @@ class RankSet:
         if timed_out or interrupted:
             stuck = {r: self._pids[r] for r in pending}
             all_ledgers, stacks = collect(self.set_dir, nproc, stuck)
-            diagnosis = describe_stuck(self._this_run(all_ledgers, started), stacks)
+            # In the learner's terms: which waits are in their function, which in the checker's own calls.
+            diagnosis = describe_check_hang(self._this_run(all_ledgers, started), stacks,
+                                            read_phases(job_dir, sorted(pending)))
         ledgers = self._this_run({r: self._readers[r].read() for r in range(nproc)}, started)
         failed = timed_out or interrupted or first_dead is not None
         if failed:

@@ -103,6 +103,7 @@ class ItemResult:
     message: str = ""  # why it lost points, naming the rank and value; empty when it passed
     output: str = ""  # what the ranks printed (trimmed), for the learner
     hidden: bool = False
+    hint: str = ""  # the exercise's hint, when a rank raised from the stub; a report shows it once
 
     @property
     def passed(self) -> bool:

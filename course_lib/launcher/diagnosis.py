@@ -29,7 +29,8 @@ from ..units import binary_bytes
 from . import pool_worker
 from .rank_output import ranks_phrase
 
-__all__ = ["cell_line", "collect", "consequences", "describe_stuck", "ended_first", "first_failure", "lost_peer"]
+__all__ = ["cell_line", "collect", "consequences", "describe_stuck", "ended_first", "first_failure", "lost_peer",
+           "rank_state"]
 
 STACK_WAIT_S = 0.5  # time for faulthandler to write the stacks after SIGUSR1
 
@@ -115,6 +116,11 @@ def describe_stuck(ledgers: dict[int, list[dict]], stacks: dict[int, str]) -> li
     for state, ranks in by_state.items():
         lines.append(f"{ranks_phrase(ranks)} {state.format(be='is' if len(ranks) == 1 else 'are')}")
     return lines
+
+
+def rank_state(ledger: list[dict], stack: str) -> str:
+    """What one rank is doing, "{be}" standing for "is" or "are": "{be} waiting in recv #2 (4 B, world group)"."""
+    return _state(ledger, stack)
 
 
 # What a rank's error says when a peer it was talking to had already exited: gloo's TCP pair
