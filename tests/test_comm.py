@@ -147,6 +147,15 @@ def test_timeline_byte_labels_are_horizontal_readable_and_never_lost():
     assert len(long.lines) == 2  # nothing left out: no extra line
 
 
+def test_show_comm_axis_counts_in_a_unit_without_exponent():
+    big = {r: [_entry(1, "barrier", 0, 0.0), _entry(2, "all_reduce", 45 << 20, 0.1)] for r in range(2)}
+    view = show_comm(comm_table(big), [("all_reduce", 45 << 20)], quiet=True)
+    ax = view.fig.axes[0]
+    view.fig.draw_without_rendering()
+    assert ax.get_ylabel() == "input MiB per step" and ax.yaxis.get_offset_text().get_text() == ""  # was "1e7"
+    assert max(bar.get_height() for bar in ax.patches) == 45
+
+
 def test_show_comm_data_and_render():
     with warnings.catch_warnings():
         gc.collect()  # not a ResourceWarning for a file an earlier test left to the collector

@@ -21,7 +21,7 @@ import dataclasses
 from typing import Any
 
 from ..measure.comm import CommTable, Expected, TheoryRow, compare_with_theory, exact_bytes
-from ..units import binary_bytes
+from ..units import binary_bytes, unit_for
 from ..vocabulary import canonical_op
 from .figures import new_figure, show
 
@@ -230,15 +230,18 @@ def show_comm(table: CommTable, expected: Expected, *, rank: int = 0, steps: lis
     fig = new_figure(min(14.0, max(5.5, 1.5 + 1.3 * len(rows))), 3.6)
     ax = fig.add_subplot()
     xs = range(len(rows))
-    ax.bar([x - 0.2 for x in xs], [r.measured_bytes for r in rows], width=0.4,
+    # In a unit with at least 2 of it at the top: tick labels "40", not raw bytes under a "1e7" offset.
+    unit, size = unit_for(max([r.measured_bytes for r in rows] + [r.predicted_bytes for r in rows] + [0]),
+                          min_multiple=2)
+    ax.bar([x - 0.2 for x in xs], [r.measured_bytes / size for r in rows], width=0.4,
            color=[op_color(r.op) for r in rows], edgecolor="black", linewidth=0.5)
-    ax.bar([x + 0.2 for x in xs], [r.predicted_bytes for r in rows], width=0.4, color="white",
+    ax.bar([x + 0.2 for x in xs], [r.predicted_bytes / size for r in rows], width=0.4, color="white",
            edgecolor=[op_color(r.op) for r in rows], hatch="///", linewidth=1.0)
     for x, r in zip(xs, rows):
         if not r.match:
-            ax.text(x, max(r.measured_bytes, r.predicted_bytes), "≠", ha="center", va="bottom", color="red")
+            ax.text(x, max(r.measured_bytes, r.predicted_bytes) / size, "≠", ha="center", va="bottom", color="red")
     ax.set_xticks(list(xs), [f"step {r.step}\n{r.op}" for r in rows], fontsize=7)
-    ax.set_ylabel("input bytes per step")
+    ax.set_ylabel(f"input {unit} per step")
     ax.set_title(title or f"rank {rank}: bytes per op per step, measured vs predicted", fontsize=10)
     ax.legend(handles=[Patch(facecolor="#999999", edgecolor="black", label="measured (ledger)"),
                        Patch(facecolor="white", edgecolor="#555555", hatch="///", label="predicted (theory)")],

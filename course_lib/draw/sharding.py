@@ -205,6 +205,7 @@ def _draw_flat(ax, per_rank: dict, index: int) -> None:
     ax.set_yticks([])
     real = sum(end - start for name, start, end in f0["layout"] if name is not None)
     ax.tick_params(labelsize=7)
+    ax.ticklabel_format(axis="x", style="plain", useOffset=False)  # element indices, never "1e6"
     ax.set_title(f"{f0['name']}: {real} parameter elements + {f0['padded_numel'] - real} padding", fontsize=8)
 
 
