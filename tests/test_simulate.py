@@ -233,3 +233,16 @@ def test_failures_are_one_line_errors():
     with pytest.raises(SimulationError, match=r"simulation failed \(exit 1\): .*Error") as failed:
         simulate_fsdp2(dict(TINY, intermediate=-1), world_size=2, timeout_s=120)
     assert "\n" not in str(failed.value)
+
+
+def test_memory_axis_has_labels_within_one_decade():
+    # One configuration (as `simulate_table(models=("llama-7b",), world_sizes=(8,))` gives): 13.5 GB
+    # and the 80 GB line share one decade, where a log axis has no labelled major tick.
+    rows = [dict(model="llama-7b", world_size=8, rank=rank, precision="bf16-mixed", optimizer="adam",
+                 total_bytes=13_477_000_000, sent_bytes=46_710_000_000) for rank in (0, 7)]
+    _, fig = show_simulation(rows)
+    fig.draw_without_rendering()
+    memory_ax = fig.axes[0]
+    shown = [t.get_text() for t in memory_ax.get_yticklabels(which="both") if t.get_text()
+             and memory_ax.get_ylim()[0] <= t.get_position()[1] <= memory_ax.get_ylim()[1]]
+    assert {"20 GB", "40 GB", "80 GB"} <= set(shown), shown

@@ -74,7 +74,10 @@ def show_simulation(rows: list[dict], *, gpu_bytes: float = GPU_BYTES) -> tuple[
         ax.grid(True, which="major", alpha=0.3)
     memory_ax.set_yscale("log")  # memory falls as 1/N: a straight line on log-log
     memory_ax.yaxis.set_major_formatter(FuncFormatter(_axis_bytes))
-    memory_ax.yaxis.set_minor_formatter(NullFormatter())
+    values = [b for points in data["memory"].values() for _, b in points] + [gpu_bytes]
+    # Within one decade a log axis has at most one major tick: label the minor ones (20 GB, 30 GB, ...).
+    memory_ax.yaxis.set_minor_formatter(FuncFormatter(_axis_bytes) if max(values) < 10 * min(values)
+                                        else NullFormatter())
     sent_ax.set_ylim(bottom=0)  # linear from 0: what a rank sends does not shrink with N
     fig.suptitle(title)
     show(fig)
