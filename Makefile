@@ -23,7 +23,13 @@ endif
 
 .PHONY: install lab test test-quick notebooks exercises clean
 
+# Every install also turns on JupyterLab's saving of widget state (course_lib/lab_settings.py), so a
+# notebook the learner saves reopens with its explorers drawn, not "model not found"; other keys of
+# an existing overrides.json stay. Cheap and written only when it changes: it runs every time, so
+# a venv made before this line gets it too.
+LAB_OVERRIDES := $(VENV)/share/jupyter/lab/settings/overrides.json
 install: $(VENV)/.installed
+	$(BIN)/python -m course_lib.lab_settings $(LAB_OVERRIDES)
 
 # Torch is installed on its own first so that the package's range (pyproject.toml)
 # is already met and pip does not fetch a different build.
@@ -54,15 +60,16 @@ test-quick: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests/
 
 # Re-execute the lesson and solution notebooks and store their outputs (what nbval compares),
-# dropping the per-cell execution timestamps so diffs show only real changes, and the saved
-# widget state (each widget's PNG is already in its output; the state would store it twice).
+# dropping the per-cell execution timestamps so diffs show only real changes. The widget state
+# nbconvert stores (store_widget_state, on by default) stays in the notebook: from it JupyterLab
+# draws the explorers of a reopened notebook before any cell runs (without it: "model not found").
 NB ?= notebooks/*.ipynb solutions/*.ipynb
 notebooks: install
 	for nb in $(NB); do \
 	  (cd "$$(dirname "$$nb")" && HF_HUB_OFFLINE=1 $(CURDIR)/$(BIN)/jupyter nbconvert --to notebook --execute \
 	    --inplace --ExecutePreprocessor.timeout=600 "$$(basename "$$nb")") || exit 1; \
 	  $(BIN)/python -c "import nbformat, sys; nb = nbformat.read(sys.argv[1], 4); \
-	    [c.metadata.pop('execution', None) for c in nb.cells]; nb.metadata.pop('widgets', None); nbformat.write(nb, sys.argv[1])" "$$nb" || exit 1; \
+	    [c.metadata.pop('execution', None) for c in nb.cells]; nbformat.write(nb, sys.argv[1])" "$$nb" || exit 1; \
 	done
 
 # Regenerate exercises/ from solutions/ (answers replaced by stubs). Never edit

@@ -1,23 +1,40 @@
 """Byte counts as people read them, in one place for every printed line and axis label.
 
 Binary units (KiB, MiB, GiB) for what programs allocate and send; decimal units
-(kB, MB, GB, TB) for GPU memory as it is sold ("80 GB").
+(kB, MB, GB, TB) for GPU memory as it is sold ("80 GB"). Numbers never print
+in exponent notation ("1.12e+03"): `readable_number` writes "1120", "12,300".
 """
 
 from __future__ import annotations
 
-__all__ = ["binary_bytes", "decimal_bytes", "unit_for"]
+import math
+
+__all__ = ["binary_bytes", "decimal_bytes", "readable_number", "unit_for"]
 
 _BINARY = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 _DECIMAL = (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3))
 
 
+def readable_number(x: float, significant: int = 3) -> str:
+    """`x` to `significant` digits as `:g` writes it, but never in exponent notation.
+
+    `1120.4 -> "1120"`, `12345 -> "12,300"` (thousands grouped from 10,000 up), `36.75 -> "36.8"`,
+    `0.000123 -> "0.000123"`, `2.50 -> "2.5"`.
+    """
+    if x == 0 or not math.isfinite(x):
+        return f"{x:g}"
+    rounded = float(f"{x:.{significant}g}")  # the digits :g keeps (rounding may add one: 999.9 -> 1000)
+    decimals = max(0, significant - 1 - math.floor(math.log10(abs(rounded))))
+    text = f"{rounded:{',' if abs(rounded) >= 10_000 else ''}.{decimals}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
 def _format(n: float, units: tuple, significant: int | None) -> str:
-    spec = "g" if significant is None else f".{significant}g"
+    digits = 6 if significant is None else significant  # :g's default precision
     for unit, size in units:
         if n >= size:
-            return f"{n / size:{spec}} {unit}"
-    return f"{n:g} B"
+            return f"{readable_number(n / size, digits)} {unit}"
+    return f"{readable_number(n, digits)} B"
 
 
 def binary_bytes(n: float, *, significant: int | None = None) -> str:

@@ -20,7 +20,7 @@ CommDebugMode's dispatcher ops (`c10d.allreduce_`) and functional collectives
 from __future__ import annotations
 
 __all__ = [
-    "ALWAYS_ASYNC", "CANONICAL_OPS", "DATA_FLOWS", "FSDP_ALL_GATHER_OP", "FSDP_REDUCE_SCATTER_OP",
+    "ALWAYS_ASYNC", "CANONICAL_OPS", "DATA_FLOWS", "DEFAULT_PRECISION", "FSDP_ALL_GATHER_OP", "FSDP_REDUCE_SCATTER_OP",
     "LOW_PRECISION_DTYPES", "METHODS_SINCE", "OPS_SINCE", "OPTIMIZERS", "OPTIMIZER_STATES", "PRECISIONS",
     "PROCESS_GROUP_METHODS", "RECEIVES", "RECORDED_OPS", "SENDS", "STAGE_LABELS", "STRATEGIES", "ZERO_STAGES",
     "canonical_op", "data_flow", "process_group_methods", "zero_stage",
@@ -166,6 +166,9 @@ OPTIMIZERS = tuple(OPTIMIZER_STATES)
 # sharded master weights stay fp32.
 LOW_PRECISION_DTYPES = {"bf16-mixed": "bfloat16", "fp16-mixed": "float16"}
 PRECISIONS = ("fp32", *LOW_PRECISION_DTYPES)
+# The one default of every memory formula, explorer and simulation, so their numbers compare:
+# mixed-precision Adam, ZeRO's 16 bytes per parameter, as large models are trained.
+DEFAULT_PRECISION = "bf16-mixed"
 
 # ZeRO stages (arXiv:1910.02054): 0 replicates everything (DDP), 1 shards the optimizer state,
 # 2 also the gradients, 3 also the parameters. Their labels in tables and figures, by stage:

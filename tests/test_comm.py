@@ -121,6 +121,41 @@ def test_timeline_data_and_render_from_a_hand_built_ledger():
     assert view.bars[-1].end is None and _render(view)
 
 
+def test_timeline_byte_labels_are_horizontal_readable_and_never_lost():
+    view = show_timeline(HAND, quiet=True)
+    ax = view.fig.axes[0]
+    calls = [b for b in view.bars if b.op != "barrier"]
+    assert set(view.label_places) == {(b.rank, b.seq) for b in calls}
+    left_out = [b for b in calls if view.label_places[(b.rank, b.seq)] == "left out"]
+    assert left_out and len(ax.texts) == len(calls) - len(left_out)  # 1 ms calls on a 3 s axis: some too short
+    assert all(t.get_rotation() == 0 and t.get_fontsize() >= 9 for t in ax.texts)  # were 6 pt at 60 degrees
+    # A label left out of the figure is in the printed summary, under its rank.
+    for bar in left_out:
+        rank_line = view.lines.index(next(line for line in view.lines if line.startswith(f"rank {bar.rank}:")))
+        assert f"#{bar.seq} {bar.op} " in view.lines[rank_line + 1]
+    # The labels drawn overlap nothing else drawn and stay inside the axes.
+    renderer = view.fig.canvas.get_renderer()
+    view.fig.draw_without_rendering()
+    boxes = [t.get_window_extent(renderer) for t in ax.texts]
+    inside = ax.get_window_extent(renderer)
+    assert all(inside.x0 <= b.x0 and b.x1 <= inside.x1 for b in boxes)
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    # A long call carries its label inside the bar.
+    long = show_timeline({r: [_entry(1, "all_reduce", 4 << 20, 0.0, 0.03)] for r in range(2)}, quiet=True)
+    assert set(long.label_places.values()) == {"inside"}
+    assert [t.get_text() for t in long.fig.axes[0].texts] == ["4 MiB", "4 MiB"]
+    assert len(long.lines) == 2  # nothing left out: no extra line
+
+
+def test_show_comm_axis_counts_in_a_unit_without_exponent():
+    big = {r: [_entry(1, "barrier", 0, 0.0), _entry(2, "all_reduce", 45 << 20, 0.1)] for r in range(2)}
+    view = show_comm(comm_table(big), [("all_reduce", 45 << 20)], quiet=True)
+    ax = view.fig.axes[0]
+    view.fig.draw_without_rendering()
+    assert ax.get_ylabel() == "input MiB per step" and ax.yaxis.get_offset_text().get_text() == ""  # was "1e7"
+    assert max(bar.get_height() for bar in ax.patches) == 45
+
+
 def test_show_comm_data_and_render():
     with warnings.catch_warnings():
         gc.collect()  # not a ResourceWarning for a file an earlier test left to the collector

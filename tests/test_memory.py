@@ -242,3 +242,11 @@ def test_bad_arguments_are_refused(toy):
         memory.predict_step(shapes, strategy="zero3", world_size=2, rank=0)
     with pytest.raises(ValueError):
         show_memory({})
+
+
+def test_zero_formula_line_prints_every_digit():
+    from course_lib.draw.memory import _table
+
+    line = _table([], {"fsdp2": {"params": 1_234_567.0, "grads": 617_283.5, "optimizer": 0.0}}).splitlines()[-1]
+    assert line == ("ZeRO formula, fsdp2 (no padding, no buffers): params 1234567, grads 617283.5, optimizer 0 "
+                    "bytes per rank")  # :g printed 1.23457e+06: rounded, and unlike the table's other cells

@@ -14,7 +14,7 @@ import warnings
 import pytest
 
 from course_lib import theory
-from course_lib.draw.figures import png_bytes
+from course_lib.draw.figures import overflow_inches, png_bytes
 from course_lib.models import toy_model
 from course_lib.measure.sharding import check_sharding, clean_name, sharding_of
 from course_lib.draw.sharding import draw_mesh, show_sharding
@@ -303,3 +303,12 @@ def test_draw_mesh_1d_and_refuses_3d():
     with pytest.raises(ValueError, match="1-D and 2-D"):
         draw_mesh({"shape": [2, 2, 1], "dim_names": ["a", "b", "c"], "ranks": [[[0], [1]], [[2], [3]]]}, display=False)
     assert (view.shape, view.dim_names, view.ranks) == ([4], ["dp"], [0, 1, 2, 3])
+
+
+@pytest.mark.parametrize("names", [["dim0", "dim1"], ["replicate", "shard"]])
+def test_draw_mesh_keeps_its_title_and_labels_inside_the_png(names):
+    # mesh_of names an unnamed mesh's dims dim0, dim1: the title was cut at "...one dim0 grou".
+    view = draw_mesh({"shape": [2, 2], "dim_names": names, "ranks": [[0, 1], [2, 3]]}, display=False)
+    assert view.figure.axes[0].get_title() == (f"DeviceMesh {names[0]}=2 x {names[1]}=2\n"
+                                               f"rows: {names[1]} groups, columns: {names[0]} groups")
+    assert overflow_inches(view.figure) == 0.0  # nothing reaches past the edges savefig cuts at

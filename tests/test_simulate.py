@@ -8,7 +8,9 @@ its bytes; the ledger holds its collectives. ONE `simulate_many` call
 simulates the same configurations (every rank stepped) and Llama-2-7B at 8
 ranks; every byte must agree, the collectives the simulation's ledger saw
 with those of the real ranks' ledgers, and match course_lib.theory computed
-from the shapes. The table's timing lives in bench/bench_simulate.py, not here.
+from the shapes. The 7B run, at the default precision, must also agree with
+`memory_explorer` at its defaults. The table's timing lives in
+bench/bench_simulate.py, not here.
 """
 
 import gc
@@ -20,11 +22,12 @@ import pytest
 from course_lib import theory
 from course_lib.draw.figures import png_bytes
 from course_lib.draw.simulation import show_simulation
+from course_lib.draw.widgets import memory_explorer
 from course_lib.launcher.torchrun import run_torchrun
 from course_lib.measure.simulate import (
     LABEL, LLAMA_CONFIGS, SimulationError, result_rows, simulate_fsdp2, simulate_many,
 )
-from course_lib.vocabulary import FSDP_ALL_GATHER_OP, FSDP_REDUCE_SCATTER_OP, canonical_op
+from course_lib.vocabulary import DEFAULT_PRECISION, FSDP_ALL_GATHER_OP, FSDP_REDUCE_SCATTER_OP, canonical_op
 
 TINY = dict(hidden=18, layers=2, vocab=101, intermediate=37, heads=3, kv_heads=1)
 WORLD_SIZES = [2, 4]
@@ -75,7 +78,7 @@ def local_bytes(units, world_size, rank, element_size=4):
 @pytest.fixture(scope="module")
 def simulated():
     """Every simulation of this file, from one call: tiny at 2 and 4 ranks (both precisions, every rank
-    stepped; and at 4 in fp32 as the table runs it, only rank 0 stepped), 7B at 8 ranks."""
+    stepped; and at 4 as the table runs it: default precision, only rank 0 stepped), 7B at 8 ranks (default)."""
     jobs = [dict(config=TINY, world_size=n, ranks="all", precision=p, step_every_rank=True)
             for n in WORLD_SIZES for p in PRECISIONS]
     jobs += [dict(config=TINY, world_size=4, ranks=(0, -1)), dict(config="llama-7b", world_size=8, ranks=(0, -1))]
@@ -128,11 +131,17 @@ def test_simulation_equals_real_fsdp2_run(real, simulated):
         assert fp32.param_bytes[3] < fp32.param_bytes[0]  # the sizes pad: the last rank's shards are shorter
         # As the table runs: rank 0 stepped, the last rank only sharded, its grads/state sized from its shards.
         table_like = simulated[2]
-        assert table_like.stepped_ranks == [0] and table_like.collectives == fp32.collectives
+        assert table_like.precision == DEFAULT_PRECISION == "bf16-mixed"
+        assert table_like.stepped_ranks == [0] and table_like.collectives == mixed.collectives
         for rank in (0, 3):
-            measured = real.results["fp32"][rank]["memory"]
+            measured = real.results["bf16_mixed"][rank]["memory"]
             assert (table_like.param_bytes[rank], table_like.grad_bytes[rank], table_like.optimizer_bytes[rank]) == (
                 measured["params"], measured["grads"], measured["optimizer"])
+
+
+def _bf16_mixed(collectives):
+    """FSDP2's step in bf16-mixed from its fp32 one: all-gathers of 2-byte parameters, fp32 reduce-scatters."""
+    return [(op, nbytes // 2 if op == FSDP_ALL_GATHER_OP else nbytes) for op, nbytes in collectives]
 
 
 def test_llama_7b_on_8_ranks_is_exact_and_labelled_simulated(simulated):
@@ -141,6 +150,7 @@ def test_llama_7b_on_8_ranks_is_exact_and_labelled_simulated(simulated):
     sim = simulated[1]
     config = LLAMA_CONFIGS["llama-7b"]
     units = llama_units(**config)
+    assert sim.precision == DEFAULT_PRECISION  # as the table runs it
     assert sim.num_params == theory.llama_param_count(**config) == 6_738_415_616
     assert sim.stepped_ranks == [0] and sorted(sim.param_bytes) == [0, 7]
     for rank in (0, 7):
@@ -149,11 +159,42 @@ def test_llama_7b_on_8_ranks_is_exact_and_labelled_simulated(simulated):
         assert sim.optimizer_bytes[rank] == 2 * sim.param_bytes[rank]
     assert math.isclose(sim.param_bytes[0], 6.74e9 * 4 / 8, rel_tol=1e-3)
     # Every 7B dimension divides by 8: no padding, so ZeRO-3's formula is exact here.
-    assert sim.total_bytes(7) == theory.zero_memory_per_rank(sim.num_params, 8, stage=3, precision="fp32").total
-    assert sim.collectives == theory.fsdp2_step_collectives(
-        units, 8, element_size=4, inputs_require_grad=True)
+    assert sim.total_bytes(7) == theory.zero_memory_per_rank(sim.num_params, 8, stage=3).total
+    assert sim.collectives == _bf16_mixed(theory.fsdp2_step_collectives(
+        units, 8, element_size=4, inputs_require_grad=True))
     assert "simulated" in sim.label and "fake process group" in sim.label
     assert not dist.is_initialized()  # the fake group lived and died in the subprocess
+
+
+def test_memory_explorer_and_simulation_agree_at_their_defaults(simulated):
+    """The same model, world size and (default) precision: the same bytes per rank, to the byte."""
+    sim = simulated[1]
+    explorer = memory_explorer(num_params=sim.num_params, world_size=8)  # defaults, as a learner calls both
+    assert explorer.data["precision"] == sim.precision == DEFAULT_PRECISION
+    assert f", {DEFAULT_PRECISION}, adam" in explorer.text.splitlines()[0]
+    header = show_simulation(result_rows(sim))[0]["lines"][0]
+    assert header.startswith(f"SIMULATED, {DEFAULT_PRECISION} (bf16 all-gathers, fp32 reduce-scatters) + adam:")
+    zero3 = explorer.data["memory"]["ZeRO-3/FSDP"]
+    # No tolerance: every 7B dimension divides by 8, so FSDP2 pads nothing (with padding the last
+    # rank would hold less and the others up to N-1 rows per parameter more than total/N).
+    for rank in (0, 7):
+        assert sim.total_bytes(rank) == zero3["total"]  # 16 bytes per parameter / 8
+    # The same 16 bytes, split differently: ZeRO counts 2-byte weights and gradients and an fp32
+    # master copy in the optimizer (2 + 2 + 12); FSDP2's fp32 shards ARE the master weights, its
+    # gradient shards fp32 (reduce_dtype), Adam's states 8 (4 + 4 + 8).
+    assert (sim.param_bytes[0], sim.grad_bytes[0]) == (2 * zero3["params"], 2 * zero3["grads"])
+    assert sim.optimizer_bytes[0] == zero3["optimizer"] - 4 * sim.num_params / 8
+    # Traffic differs for two stated reasons, exactly: FSDP2 reduce-scatters fp32 gradients (ZeRO's
+    # formula 2-byte ones: half), and keeps the root (embeddings, norm, lm_head) gathered after
+    # forward, so backward re-gathers only the decoder layers.
+    sent = {flow: sum(theory.ring_all_gather_bytes(8 * n, 8) if op == FSDP_ALL_GATHER_OP
+                      else theory.ring_reduce_scatter_bytes(n, 8) for op, n in sim.collectives if op == flow)
+            for flow in (FSDP_ALL_GATHER_OP, FSDP_REDUCE_SCATTER_OP)}
+    formula = explorer.data["comm"]["ZeRO-3/FSDP"]
+    assert sent[FSDP_REDUCE_SCATTER_OP] == pytest.approx(2 * formula["reduce_scatter"], rel=1e-12)
+    root_numel = sum(math.prod(shape) for shape in llama_units(**LLAMA_CONFIGS["llama-7b"])[-1])
+    assert sent[FSDP_ALL_GATHER_OP] == pytest.approx(
+        formula["all_gather"] - theory.ring_all_gather_bytes(2 * root_numel, 8), rel=1e-12)
 
 
 def test_rows_and_figure_show_what_was_simulated(simulated):
@@ -192,3 +233,16 @@ def test_failures_are_one_line_errors():
     with pytest.raises(SimulationError, match=r"simulation failed \(exit 1\): .*Error") as failed:
         simulate_fsdp2(dict(TINY, intermediate=-1), world_size=2, timeout_s=120)
     assert "\n" not in str(failed.value)
+
+
+def test_memory_axis_has_labels_within_one_decade():
+    # One configuration (as `simulate_table(models=("llama-7b",), world_sizes=(8,))` gives): 13.5 GB
+    # and the 80 GB line share one decade, where a log axis has no labelled major tick.
+    rows = [dict(model="llama-7b", world_size=8, rank=rank, precision="bf16-mixed", optimizer="adam",
+                 total_bytes=13_477_000_000, sent_bytes=46_710_000_000) for rank in (0, 7)]
+    _, fig = show_simulation(rows)
+    fig.draw_without_rendering()
+    memory_ax = fig.axes[0]
+    shown = [t.get_text() for t in memory_ax.get_yticklabels(which="both") if t.get_text()
+             and memory_ax.get_ylim()[0] <= t.get_position()[1] <= memory_ax.get_ylim()[1]]
+    assert {"20 GB", "40 GB", "80 GB"} <= set(shown), shown

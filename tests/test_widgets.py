@@ -15,9 +15,9 @@ import torch
 
 from course_lib import theory
 from course_lib.draw.collectives import show_collective
-from course_lib.draw.figures import png_bytes
+from course_lib.draw.figures import overflow_inches, png_bytes
 from course_lib.draw.ring import draw_ring_state, ring_states
-from course_lib.draw.widgets import memory_comparison, memory_explorer, ring_allreduce_stepper
+from course_lib.draw.widgets import DPI, memory_comparison, memory_explorer, ring_allreduce_stepper
 from course_lib.vocabulary import STAGE_LABELS
 
 # Figures and widgets must build headless with no warning at all.
@@ -41,7 +41,7 @@ def _g(nbytes: float) -> str:
 
 def test_memory_explorer_bundle_has_png_and_numbers():
     box = memory_explorer(num_params=7e9, world_size=8, strategy="fsdp")
-    bundle = box._repr_mimebundle_()
+    bundle, metadata = box._repr_mimebundle_()
     assert WIDGET_VIEW in bundle  # JupyterLab still gets the live widget
     assert base64.b64decode(bundle["image/png"]).startswith(PNG_SIGNATURE)
     assert base64.b64decode(bundle["image/png"]) == box.png == box.image.value
@@ -53,7 +53,8 @@ def test_memory_explorer_bundle_has_png_and_numbers():
     assert fsdp_line.split()[1:5] == [_g(fsdp.params), _g(fsdp.grads), _g(fsdp.optimizer), _g(fsdp.total)]
     assert fsdp_line.endswith("<- chosen")
     assert _g(ddp.total) in next(line for line in text.splitlines() if line.startswith("DDP"))
-    assert box._repr_mimebundle_()["text/plain"] == text  # deterministic: nbval compares it
+    assert box._repr_mimebundle_()[0]["text/plain"] == text  # deterministic: nbval compares it
+    assert "bf16-mixed" in text.splitlines()[0] and "bf16-mixed" in box.figure.get_suptitle()
 
 
 def test_memory_explorer_controls_update_data_and_image():
@@ -65,7 +66,8 @@ def test_memory_explorer_controls_update_data_and_image():
     zero3 = theory.zero_memory_per_rank(7_000_000_000, 64, stage=3, precision="bf16-mixed", optimizer="adam")
     assert box.data["memory"]["ZeRO-3/FSDP"]["total"] == zero3.total
     box.controls["strategy"].value = 2
-    assert box.data["strategy"] == "ZeRO-2" and "ZeRO-2" in box.text.splitlines()[-2]
+    assert box.data["strategy"] == "ZeRO-2"
+    assert next(line for line in box.text.splitlines() if line.endswith("<- chosen")).startswith("ZeRO-2")
     box.controls["model"].value = 70_000_000_000
     box.controls["precision"].value = "fp32"
     assert box.data["num_params"] == 70_000_000_000 and box.data["bytes_per_param"]["params"] == 4
@@ -83,6 +85,38 @@ def test_memory_comparison_follows_theory_and_zero_paper():
     # ZeRO paper, section 7: stages 1-2 move what DDP moves, stage 3 1.5 times that.
     assert data["comm_total"]["ZeRO-1"] == pytest.approx(data["comm_total"]["DDP"])
     assert data["comm_total"]["ZeRO-3/FSDP"] == pytest.approx(1.5 * data["comm_total"]["DDP"])
+
+
+def _png_size(png: bytes) -> tuple[int, int]:
+    """(width, height) in pixels, from the PNG's IHDR chunk."""
+    return int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+
+
+@pytest.mark.parametrize("make", [lambda: memory_explorer(num_params=7e9, world_size=8),
+                                  lambda: ring_allreduce_stepper(world_size=4)], ids=["memory", "ring"])
+def test_explorer_image_keeps_its_size_and_aspect_and_is_sharp(make):
+    box = make()
+    width, height = box.css_size
+    # Displayed at the figure's own size (a VBox would stretch a width-less image: blurry),
+    # shrunk with its aspect kept when the notebook is narrower.
+    assert (box.image.layout.width, box.image.layout.max_width, box.image.layout.height) == (
+        f"{width}px", "100%", "auto")
+    # Two PNG pixels per CSS px: sharp on a HiDPI screen; the static fallback is shown at the same size.
+    assert DPI == 200 and _png_size(box.png) == (2 * width, 2 * height)
+    assert box._repr_mimebundle_()[1] == {"image/png": {"width": width, "height": height}}
+
+
+def test_memory_explorer_labels_are_readable():
+    box = memory_explorer(num_params=70e9, world_size=1, strategy="ddp")
+    bars = [t.get_text() for t in box.figure.axes[0].texts]
+    assert bars[:4] == ["1120 GB"] * 4  # was "1.12e+03"
+    assert box.text.startswith("70B parameters on 1 rank,") and "e+" not in box.text
+    # Each strategy button as wide as its label: a fixed 90px cut "ZeRO-3/FSDP" to "ZeRO-3/…".
+    strategy = box.controls["strategy"]
+    assert strategy.style.button_width == "auto" and strategy._options_labels == STAGE_LABELS
+    for world_size in (1, 8, 1024):
+        box.controls["world_size"].value = world_size
+        assert overflow_inches(box.figure) == 0.0, world_size
 
 
 def test_memory_explorer_rejects_unknown_strategy():
@@ -123,7 +157,7 @@ def test_ring_stepper_slider_moves_state_and_png():
     first_png = box.png
     box.controls["step"].value = 4
     assert box.data["state"] is box.data["states"][-1] and box.png != first_png
-    assert box._repr_mimebundle_()["text/plain"].splitlines()[1:] == [
+    assert box._repr_mimebundle_()[0]["text/plain"].splitlines()[1:] == [
         "rank 0: [111, 222, 333]", "rank 1: [111, 222, 333]", "rank 2: [111, 222, 333]"]
     assert png_bytes(draw_ring_state(box.data["states"][1], num_steps=4)).startswith(PNG_SIGNATURE)
 

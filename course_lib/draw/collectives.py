@@ -20,6 +20,7 @@ import dataclasses
 import math
 from typing import Any
 
+from ..units import readable_number
 from ..vocabulary import DATA_FLOWS, data_flow
 from .figures import new_figure, rank_color, show
 
@@ -73,7 +74,7 @@ def _fmt(v: Any) -> str:
     if isinstance(v, float) and v.is_integer() and abs(v) < 1e15:
         return str(int(v))  # 3.0 -> "3": all_reduce of torch.ones reads as in the lesson text
     if isinstance(v, float):
-        return f"{v:.4g}"
+        return readable_number(v, 4)  # 12345.6 -> "12,350", not "1.235e+04"
     return str(v)
 
 

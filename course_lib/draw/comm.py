@@ -1,7 +1,9 @@
 """Communication, drawn: a per-rank timeline of the collective ledger, and bytes per step vs theory.
 
 `show_timeline(ledgers)`: one lane per rank, one bar per call from its start to
-its end, coloured by op, labelled with its input bytes. A hatched bar is an
+its end, coloured by op, labelled with its input bytes (inside the bar where it
+fits, else above it where no other label is; the printed lines list the bars
+too short for either). A hatched bar is an
 `async_op=True` call: it "ends" when its work object is created, not when the
 transfer does, so its length says nothing about the transfer. Barriers are grey.
 
@@ -19,7 +21,7 @@ import dataclasses
 from typing import Any
 
 from ..measure.comm import CommTable, Expected, TheoryRow, compare_with_theory, exact_bytes
-from ..units import binary_bytes
+from ..units import binary_bytes, unit_for
 from ..vocabulary import canonical_op
 from .figures import new_figure, show
 
@@ -60,6 +62,54 @@ class TimelineView:
     origin: dict[int, float]  # per rank, the ledger time drawn as 0
     lines: list[str]
     fig: Any
+    # (rank, seq) -> where its byte label went: "inside" or "above" the bar, or "left out" (in `lines`).
+    label_places: dict[tuple[int, int], str] = dataclasses.field(default_factory=dict)
+
+
+LABEL_FONTSIZE = 9  # the axis labels' size (10) less one: readable, horizontal
+
+
+def _place_labels(fig: Any, ax: Any, drawn: list[tuple[TimelineBar, float, float]]) -> dict[tuple[int, int], str]:
+    """Byte labels for `drawn` (bar, left ms, width ms): inside a bar wide enough, else above it if the
+    space there is free, else none. Measured in the laid-out figure, so "fits" is what the PNG shows."""
+    fig.draw_without_rendering()  # constrained layout: the axes' final size, so pixels are the PNG's
+    renderer = fig.canvas.get_renderer()
+    axes_box = ax.get_window_extent(renderer)
+    above: dict[int, list[tuple[float, float]]] = {}  # per lane, the x extents (px) of labels above bars
+    places = {}
+    for bar, left, width in drawn:
+        text = binary_bytes(bar.bytes, significant=3)
+        x0, x1 = (ax.transData.transform((x, bar.rank))[0] for x in (left, left + width))
+        label = ax.text(left + width / 2, bar.rank, text, ha="center", va="center", fontsize=LABEL_FONTSIZE,
+                        bbox=dict(boxstyle="round,pad=0.1", facecolor="white", alpha=0.75, lw=0))  # on hatching too
+        box = label.get_window_extent(renderer)
+        if box.width + 4 <= abs(x1 - x0):
+            places[(bar.rank, bar.seq)] = "inside"
+            continue
+        label.remove()
+        # Above its bar (rank 0 is the top lane: the y axis runs downwards), if no label is there yet.
+        label = ax.text(left + width / 2, bar.rank - 0.27, text, ha="center", va="bottom", fontsize=LABEL_FONTSIZE)
+        box = label.get_window_extent(renderer)
+        if box.x0 < axes_box.x0 or box.x1 > axes_box.x1:  # at an end of the axis: start/end with the bar
+            at_left = box.x0 < axes_box.x0
+            label.set_x(left if at_left else left + width)
+            label.set_horizontalalignment("left" if at_left else "right")
+            box = label.get_window_extent(renderer)
+        taken = above.setdefault(bar.rank, [])
+        if box.x0 >= axes_box.x0 and box.x1 <= axes_box.x1 and all(
+                box.x1 + 4 <= a or box.x0 >= b + 4 for a, b in taken):
+            taken.append((box.x0, box.x1))
+            places[(bar.rank, bar.seq)] = "above"
+        else:
+            label.remove()
+            places[(bar.rank, bar.seq)] = "left out"
+    return places
+
+
+def _left_out_line(bars: list[TimelineBar], limit: int = 8) -> str:
+    named = [f"#{b.seq} {b.op} {binary_bytes(b.bytes, significant=3)}" for b in bars]
+    more = f", ... +{len(named) - limit}" if len(named) > limit else ""
+    return "  bars too short for their label: " + ", ".join(named[:limit]) + more
 
 
 def _origins(ledgers: dict[int, list[dict]], align: str) -> dict[int, float]:
@@ -116,6 +166,7 @@ def show_timeline(ledgers: dict[int, list[dict]], *, steps: list[int] | None = N
     fig = new_figure(8.0, 1.2 + 0.8 * max(len(ranks), 1))
     ax = fig.add_subplot()
     drawn: set[str] = set()
+    to_label = []
     for bar in bars:
         end = span if bar.end is None else bar.end
         # A call of a few microseconds is still drawn: at least 0.3% of the axis wide.
@@ -125,9 +176,7 @@ def show_timeline(ledgers: dict[int, list[dict]], *, steps: list[int] | None = N
                 label=None if bar.op in drawn else bar.op)
         drawn.add(bar.op)
         if labels and bar.op != "barrier":
-            # Above its bar (rank 0 is the top lane: the y axis runs downwards).
-            ax.text(bar.start * 1e3 + width / 2, bar.rank - 0.27, binary_bytes(bar.bytes, significant=3), ha="center",
-                    va="bottom", fontsize=6, rotation=60)
+            to_label.append((bar, bar.start * 1e3, width))
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.set_ylim(max(ranks, default=0) + 0.6, -1.2)
     ax.set_xlabel(f"time (ms){' from first call' if align != 'barrier' else ' from first barrier'}; "
@@ -135,13 +184,19 @@ def show_timeline(ledgers: dict[int, list[dict]], *, steps: list[int] | None = N
     ax.set_title(title, fontsize=10)
     if drawn:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    places = _place_labels(fig, ax, to_label) if to_label else {}
     calls = {r: sum(b.rank == r and b.op != "barrier" for b in bars) for r in ranks}
-    lines = [f"rank {r}: {calls[r]} call{'' if calls[r] == 1 else 's'}, "
-             f"{exact_bytes(sum(b.bytes for b in bars if b.rank == r))}" for r in ranks]
+    lines = []
+    for r in ranks:
+        lines.append(f"rank {r}: {calls[r]} call{'' if calls[r] == 1 else 's'}, "
+                     f"{exact_bytes(sum(b.bytes for b in bars if b.rank == r))}")
+        left_out = [b for b in bars if b.rank == r and places.get((r, b.seq)) == "left out"]
+        if left_out:
+            lines.append(_left_out_line(left_out))
     if not quiet:
         print("\n".join(lines))
         show(fig)
-    return TimelineView(bars, align, origin, lines, fig)
+    return TimelineView(bars, align, origin, lines, fig, places)
 
 
 def _calls(n: int) -> str:
@@ -175,15 +230,18 @@ def show_comm(table: CommTable, expected: Expected, *, rank: int = 0, steps: lis
     fig = new_figure(min(14.0, max(5.5, 1.5 + 1.3 * len(rows))), 3.6)
     ax = fig.add_subplot()
     xs = range(len(rows))
-    ax.bar([x - 0.2 for x in xs], [r.measured_bytes for r in rows], width=0.4,
+    # In a unit with at least 2 of it at the top: tick labels "40", not raw bytes under a "1e7" offset.
+    unit, size = unit_for(max([r.measured_bytes for r in rows] + [r.predicted_bytes for r in rows] + [0]),
+                          min_multiple=2)
+    ax.bar([x - 0.2 for x in xs], [r.measured_bytes / size for r in rows], width=0.4,
            color=[op_color(r.op) for r in rows], edgecolor="black", linewidth=0.5)
-    ax.bar([x + 0.2 for x in xs], [r.predicted_bytes for r in rows], width=0.4, color="white",
+    ax.bar([x + 0.2 for x in xs], [r.predicted_bytes / size for r in rows], width=0.4, color="white",
            edgecolor=[op_color(r.op) for r in rows], hatch="///", linewidth=1.0)
     for x, r in zip(xs, rows):
         if not r.match:
-            ax.text(x, max(r.measured_bytes, r.predicted_bytes), "≠", ha="center", va="bottom", color="red")
+            ax.text(x, max(r.measured_bytes, r.predicted_bytes) / size, "≠", ha="center", va="bottom", color="red")
     ax.set_xticks(list(xs), [f"step {r.step}\n{r.op}" for r in rows], fontsize=7)
-    ax.set_ylabel("input bytes per step")
+    ax.set_ylabel(f"input {unit} per step")
     ax.set_title(title or f"rank {rank}: bytes per op per step, measured vs predicted", fontsize=10)
     ax.legend(handles=[Patch(facecolor="#999999", edgecolor="black", label="measured (ledger)"),
                        Patch(facecolor="white", edgecolor="#555555", hatch="///", label="predicted (theory)")],

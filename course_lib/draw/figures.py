@@ -13,7 +13,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
-__all__ = ["new_figure", "png_bytes", "rank_color", "show", "CATEGORY_COLORS"]
+__all__ = ["fit_figure", "new_figure", "overflow_inches", "png_bytes", "rank_color", "show", "CATEGORY_COLORS"]
 
 # One colour per rank, the same in every figure of the course (matplotlib's tab10, then tab20).
 _RANK_COLORS = (
@@ -44,6 +44,36 @@ def new_figure(width: float = 6.4, height: float = 4.0) -> Any:
 
     fig = Figure(figsize=(width, height), layout="constrained")
     FigureCanvasAgg(fig)
+    return fig
+
+
+def overflow_inches(fig: Any) -> float:
+    """How far (inches) anything drawn reaches past the figure's edges, the largest side; 0.0 when all fits.
+
+    `savefig` cuts at the edges: a title or tick label wider than the figure loses its ends in the PNG.
+    """
+    fig.draw_without_rendering()  # constrained layout places everything first
+    box = fig.get_tightbbox()
+    width, height = fig.get_size_inches()
+    return max(0.0, -box.x0, -box.y0, box.x1 - width, box.y1 - height)
+
+
+def fit_figure(fig: Any, *, pad: float = 0.05) -> Any:
+    """Widen/heighten `fig` until nothing drawn reaches past its edges (titles, tick labels); returns `fig`.
+
+    Constrained layout gives up (and lets text cross the edge) when the figure is too small for its
+    labels; a larger figure lets it lay them out. Sizes with short labels stay as they were.
+    """
+    for _ in range(4):  # each pass re-lays out; a centred title needs about two
+        fig.draw_without_rendering()
+        box = fig.get_tightbbox()
+        width, height = fig.get_size_inches()
+        extra_w = max(0.0, -box.x0) + max(0.0, box.x1 - width)
+        extra_h = max(0.0, -box.y0) + max(0.0, box.y1 - height)
+        if extra_w <= 0.005 and extra_h <= 0.005:
+            break
+        fig.set_size_inches(width + (extra_w + 2 * pad if extra_w > 0.005 else 0),
+                            height + (extra_h + 2 * pad if extra_h > 0.005 else 0))
     return fig
 
 

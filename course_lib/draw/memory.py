@@ -129,6 +129,11 @@ def _rounding_note(measured: list[dict]) -> str:
             + ", ".join(f"{phase} {n} B" for phase, n in worst.items()) + " per rank).")
 
 
+def _exact(nbytes: float) -> str:
+    """Bytes as the table's other cells print them (all digits, so they compare); a fraction to 0.1 B."""
+    return str(int(nbytes)) if float(nbytes).is_integer() else f"{nbytes:.1f}"
+
+
 def _table(rows: list[MemoryRow], theory: dict, note: str = "") -> str:
     """One line per (strategy, rank, phase): measured/predicted per category, '!' where they differ."""
     header = f"{'strategy':<8} {'rank':>4} {'phase':<8}" + "".join(f" {c:>13}" for c in STACK) + f" {'total':>8}"
@@ -149,7 +154,7 @@ def _table(rows: list[MemoryRow], theory: dict, note: str = "") -> str:
         lines.append(note)
     for strategy, zero in theory.items():
         lines.append(f"ZeRO formula, {strategy} (no padding, no buffers): "
-                     + ", ".join(f"{k} {v:g}" for k, v in zero.items()) + " bytes per rank")
+                     + ", ".join(f"{k} {_exact(v)}" for k, v in zero.items()) + " bytes per rank")
     return "\n".join(lines)
 
 

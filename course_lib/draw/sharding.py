@@ -18,7 +18,7 @@ import dataclasses
 import math
 from typing import Any
 
-from .figures import new_figure, rank_color, show
+from .figures import fit_figure, new_figure, rank_color, show
 from ..measure.sharding import check_sharding
 
 __all__ = ["MeshView", "ShardingView", "draw_mesh", "show_sharding"]
@@ -205,6 +205,7 @@ def _draw_flat(ax, per_rank: dict, index: int) -> None:
     ax.set_yticks([])
     real = sum(end - start for name, start, end in f0["layout"] if name is not None)
     ax.tick_params(labelsize=7)
+    ax.ticklabel_format(axis="x", style="plain", useOffset=False)  # element indices, never "1e6"
     ax.set_title(f"{f0['name']}: {real} parameter elements + {f0['padded_numel'] - real} padding", fontsize=8)
 
 
@@ -289,8 +290,9 @@ def draw_mesh(mesh: dict, *, title: str | None = None, display: bool = True) -> 
         side.set_visible(False)
     label = " x ".join(f"{n}={s}" for n, s in zip(names, shape))
     if len(shape) == 2:
-        label += f"\na row is one {names[1]} group, a column one {names[0]} group"
+        label += f"\nrows: {names[1]} groups, columns: {names[0]} groups"
     ax.set_title(title or f"DeviceMesh {label}", fontsize=9)
+    fit_figure(fig)  # long dim names ("dim0", "replicate") widen the title and tick labels past 2 boxes
     if display:
         show(fig)
     return MeshView(shape=shape, dim_names=names, ranks=ranks, coords=coords, figure=fig)

@@ -9,8 +9,11 @@ from typing import Any
 
 from ..measure.simulate import GPU_BYTES, LABEL
 from ..units import decimal_bytes
+from ..vocabulary import LOW_PRECISION_DTYPES
 
 __all__ = ["show_simulation"]
+
+_SHORT = {"bfloat16": "bf16", "float16": "fp16"}
 
 
 def _axis_bytes(value: float, _position: Any = None) -> str:
@@ -23,7 +26,7 @@ def show_simulation(rows: list[dict], *, gpu_bytes: float = GPU_BYTES) -> tuple[
 
     One line per model for its first rank (solid) and, where it differs, its last rank (dashed): the
     padding of the last shards. `data` holds exactly the points drawn, and `data["lines"]` the
-    numbers it prints (one line per simulated rank, under the SIMULATED label).
+    numbers it prints (one line per simulated rank, under the SIMULATED label and the precision).
     """
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
@@ -41,7 +44,10 @@ def show_simulation(rows: list[dict], *, gpu_bytes: float = GPU_BYTES) -> tuple[
             if which == "first rank" or points != data["memory"][f"{model}, first rank"]:
                 data["memory"][f"{model}, {which}"] = points
         data["sent"][model] = sorted({(r["world_size"], r["sent_bytes"]) for r in mine})
-    data["lines"] = [f"SIMULATED: {LABEL}"] + [
+    # The collectives' dtypes said here: they are why FSDP2 sends more than memory_explorer's formula.
+    said = [f"{p} ({_SHORT[LOW_PRECISION_DTYPES[p]]} all-gathers, fp32 reduce-scatters)" if p in LOW_PRECISION_DTYPES
+            else p for p, _ in settings]
+    data["lines"] = [f"SIMULATED, {' / '.join(f'{p} + {o}' for p, (_, o) in zip(said, settings))}: {LABEL}"] + [
         f"{r['model']:>10} on {r['world_size']:>4} ranks, rank {r['rank']:>4}: "
         f"{decimal_bytes(r['total_bytes'], significant=4)} of model state, sends {decimal_bytes(r['sent_bytes'], significant=4)} per step"
         for r in sorted(rows, key=lambda r: (r["model"], r["world_size"], r["rank"]))]
@@ -68,7 +74,10 @@ def show_simulation(rows: list[dict], *, gpu_bytes: float = GPU_BYTES) -> tuple[
         ax.grid(True, which="major", alpha=0.3)
     memory_ax.set_yscale("log")  # memory falls as 1/N: a straight line on log-log
     memory_ax.yaxis.set_major_formatter(FuncFormatter(_axis_bytes))
-    memory_ax.yaxis.set_minor_formatter(NullFormatter())
+    values = [b for points in data["memory"].values() for _, b in points] + [gpu_bytes]
+    # Within one decade a log axis has at most one major tick: label the minor ones (20 GB, 30 GB, ...).
+    memory_ax.yaxis.set_minor_formatter(FuncFormatter(_axis_bytes) if max(values) < 10 * min(values)
+                                        else NullFormatter())
     sent_ax.set_ylim(bottom=0)  # linear from 0: what a rank sends does not shrink with N
     fig.suptitle(title)
     show(fig)

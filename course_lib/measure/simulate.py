@@ -39,7 +39,7 @@ import tempfile
 import time
 from typing import Any
 
-from ..vocabulary import OPTIMIZERS, PRECISIONS, data_flow
+from ..vocabulary import DEFAULT_PRECISION, OPTIMIZERS, PRECISIONS, data_flow
 from . import simulate_worker
 from .simulate_worker import RESULT_MARK
 
@@ -192,7 +192,7 @@ def simulate_many(jobs: list[dict], *, processes: int | None = None,
     (about 5 s) and then runs its jobs one after the other; the fake step costs about the number of
     decoder layers, so jobs go, longest first, to the worker with the least work so far.
     """
-    specs = [_job(j["config"], j["world_size"], j.get("ranks", (0, -1)), j.get("precision", "fp32"),
+    specs = [_job(j["config"], j["world_size"], j.get("ranks", (0, -1)), j.get("precision", DEFAULT_PRECISION),
                   j.get("optimizer", "adam"), j.get("step_every_rank", False)) for j in jobs]
     processes = max(1, min(processes or min(2, os.cpu_count() or 1), len(specs)))
     batches: list[list[int]] = [[] for _ in range(processes)]
@@ -214,13 +214,17 @@ def simulate_many(jobs: list[dict], *, processes: int | None = None,
     return results
 
 
-def simulate_fsdp2(config: dict | str, *, world_size: int, ranks=(0, -1), precision: str = "fp32",
+def simulate_fsdp2(config: dict | str, *, world_size: int, ranks=(0, -1), precision: str = DEFAULT_PRECISION,
                    optimizer: str = "adam", step_every_rank: bool = False,
                    timeout_s: float = 120.0) -> SimulationResult:
     """Simulate FSDP2 (`fully_shard` per decoder layer, then the root) of a Llama `config` at `world_size`.
 
     `config`: a name in LLAMA_CONFIGS or a dict (hidden, layers, vocab, intermediate, heads, kv_heads, or
     LlamaConfig's own names). `ranks`: indices (-1 is the last rank, where the padding lands) or "all".
+    `precision`: `vocabulary.DEFAULT_PRECISION` ("bf16-mixed"), as `theory` and `memory_explorer`
+    default to: bf16 all-gathers, fp32 reduce-scatters (`shard_llama`); 16 bytes of model state per
+    parameter with Adam, as ZeRO counts, but held as fp32 shards (4, the master weights), fp32
+    gradient shards (4) and Adam's states (8) where ZeRO counts 2 + 2 + 12.
     The first of them runs a fake training step (collectives, gradients, optimizer state); the others
     only shard, their gradients and state sized like their shards, unless `step_every_rank`.
     """
@@ -240,7 +244,7 @@ def result_rows(result: SimulationResult) -> list[dict]:
 
 
 def simulate_table(models=("llama-7b", "llama-70b"), world_sizes=(8, 64, 1024), *, ranks=(0, -1),
-                   precision: str = "fp32", optimizer: str = "adam", processes: int | None = None,
+                   precision: str = DEFAULT_PRECISION, optimizer: str = "adam", processes: int | None = None,
                    timeout_s: float = 120.0) -> list[dict]:
     """Rows of `result_rows` for every model at every world size (see `simulate_many`)."""
     jobs = [dict(config=model, world_size=n, ranks=ranks, precision=precision, optimizer=optimizer)

@@ -12,7 +12,7 @@ rank runs. Same code on both sides is why the simulated bytes can be trusted.
 Kept out of the notebook kernel on purpose: a fake *default* process group
 must never leak into it, nor the ledger's wrapping of torch.distributed.
 
-    echo '[{"model": "llama-7b", "config": {...}, "world_size": 8, "ranks": [0, 7], "precision": "fp32",
+    echo '[{"model": "llama-7b", "config": {...}, "world_size": 8, "ranks": [0, 7], "precision": "bf16-mixed",
             "optimizer": "adam", "step_every_rank": false}]' | python -m course_lib.measure.simulate_worker
 """
 
@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from ..rank import ledger
-from ..vocabulary import LOW_PRECISION_DTYPES, OPTIMIZERS, canonical_op
+from ..vocabulary import DEFAULT_PRECISION, LOW_PRECISION_DTYPES, OPTIMIZERS, canonical_op
 
 __all__ = ["llama_config", "make_optimizer", "memory_of", "shard_llama"]
 
@@ -44,7 +44,7 @@ def llama_config(config: dict) -> Any:
     return LlamaConfig(**{_HF_NAMES.get(key, key): value for key, value in config.items()})
 
 
-def shard_llama(model: Any, mesh: Any, *, precision: str = "fp32") -> Any:
+def shard_llama(model: Any, mesh: Any, *, precision: str = DEFAULT_PRECISION) -> Any:
     """`fully_shard` each decoder layer, then the root (embeddings, final norm, lm_head): torchtitan's order."""
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

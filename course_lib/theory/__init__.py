@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..vocabulary import LOW_PRECISION_DTYPES, OPTIMIZER_STATES, PRECISIONS
+from ..vocabulary import DEFAULT_PRECISION, LOW_PRECISION_DTYPES, OPTIMIZER_STATES, PRECISIONS
 from .comm import (
     ddp_step_bytes,
     fsdp2_step_collectives,
@@ -58,7 +58,7 @@ class BytesPerParam:
         return self.params + self.grads + self.optimizer
 
 
-def bytes_per_param(*, precision: str = "fp32", optimizer: str = "adam") -> BytesPerParam:
+def bytes_per_param(*, precision: str = DEFAULT_PRECISION, optimizer: str = "adam") -> BytesPerParam:
     """ZeRO's accounting (arXiv:1910.02054, section 3.1): mixed-precision Adam is 2 + 2 + 12 = 16 bytes.
 
     "fp32": 4-byte weights and gradients, optimizer states in fp32.
@@ -90,7 +90,7 @@ class MemoryPerRank:
 
 
 def zero_memory_per_rank(num_params: int, world_size: int, *, stage: int,
-                         precision: str = "bf16-mixed", optimizer: str = "adam") -> MemoryPerRank:
+                         precision: str = DEFAULT_PRECISION, optimizer: str = "adam") -> MemoryPerRank:
     """Model-state memory per rank under ZeRO stage 0-3 (arXiv:1910.02054, Figure 1).
 
     Stage 0 is plain data parallelism (DDP: everything replicated); stage 1
