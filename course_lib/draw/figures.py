@@ -47,15 +47,20 @@ def new_figure(width: float = 6.4, height: float = 4.0) -> Any:
     return fig
 
 
-def overflow_inches(fig: Any) -> float:
-    """How far (inches) anything drawn reaches past the figure's edges, the largest side; 0.0 when all fits.
-
-    `savefig` cuts at the edges: a title or tick label wider than the figure loses its ends in the PNG.
-    """
+def _overhang(fig: Any) -> tuple[float, float]:
+    """(width, height) in inches by which what is drawn reaches past the figure's edges, both sides added."""
     fig.draw_without_rendering()  # constrained layout places everything first
     box = fig.get_tightbbox()
     width, height = fig.get_size_inches()
-    return max(0.0, -box.x0, -box.y0, box.x1 - width, box.y1 - height)
+    return max(0.0, -box.x0) + max(0.0, box.x1 - width), max(0.0, -box.y0) + max(0.0, box.y1 - height)
+
+
+def overflow_inches(fig: Any) -> float:
+    """How far (inches) anything drawn reaches past the figure's edges; 0.0 when all fits.
+
+    `savefig` cuts at the edges: a title or tick label wider than the figure loses its ends in the PNG.
+    """
+    return max(_overhang(fig))
 
 
 def fit_figure(fig: Any, *, pad: float = 0.05) -> Any:
@@ -65,13 +70,10 @@ def fit_figure(fig: Any, *, pad: float = 0.05) -> Any:
     labels; a larger figure lets it lay them out. Sizes with short labels stay as they were.
     """
     for _ in range(4):  # each pass re-lays out; a centred title needs about two
-        fig.draw_without_rendering()
-        box = fig.get_tightbbox()
-        width, height = fig.get_size_inches()
-        extra_w = max(0.0, -box.x0) + max(0.0, box.x1 - width)
-        extra_h = max(0.0, -box.y0) + max(0.0, box.y1 - height)
+        extra_w, extra_h = _overhang(fig)
         if extra_w <= 0.005 and extra_h <= 0.005:
             break
+        width, height = fig.get_size_inches()
         fig.set_size_inches(width + (extra_w + 2 * pad if extra_w > 0.005 else 0),
                             height + (extra_h + 2 * pad if extra_h > 0.005 else 0))
     return fig

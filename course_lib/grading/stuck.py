@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import pathlib
 
-from ..launcher.diagnosis import rank_state
-from ..launcher.rank_output import ranks_phrase
+from ..launcher.diagnosis import lines_by_state, rank_state
 from .rank_runner import PHASES, phase_file
 
 __all__ = ["describe_check_hang", "read_phases"]
@@ -83,14 +82,4 @@ def _state(ledger: list[dict], stack: str, marks: list[tuple[float, str]]) -> st
 def describe_check_hang(ledgers: dict[int, list[dict]], stacks: dict[int, str],
                         phases: dict[int, list[tuple[float, str]]]) -> list[str]:
     """One line per state shared by the stuck ranks (the keys of `phases`), lowest rank first."""
-    by_state: dict[str, list[int]] = {}
-    for rank in sorted(phases):
-        state = _state(ledgers.get(rank, []), stacks.get(rank, ""), phases[rank])
-        by_state.setdefault(state, []).append(rank)
-    lines = []
-    for state, ranks in by_state.items():
-        one = len(ranks) == 1
-        words = {"be": "is" if one else "are", "it": "it" if one else "they", "waits": "waits" if one else "wait"}
-        # rank_state's own "{be}" is filled by the same format call.
-        lines.append(f"{ranks_phrase(ranks)} {state.format(**words)}")
-    return lines
+    return lines_by_state({rank: _state(ledgers.get(rank, []), stacks.get(rank, ""), phases[rank]) for rank in phases})

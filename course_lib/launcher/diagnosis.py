@@ -29,8 +29,8 @@ from ..units import binary_bytes
 from . import pool_worker
 from .rank_output import ranks_phrase
 
-__all__ = ["cell_line", "collect", "consequences", "describe_stuck", "ended_first", "first_failure", "lost_peer",
-           "rank_state"]
+__all__ = ["cell_line", "collect", "consequences", "describe_stuck", "ended_first", "first_failure", "lines_by_state",
+           "lost_peer", "rank_state"]
 
 STACK_WAIT_S = 0.5  # time for faulthandler to write the stacks after SIGUSR1
 
@@ -88,8 +88,8 @@ def _what(entry: dict) -> str:
     return f"{entry['op']} #{entry['seq']} ({size}{entry['group']} group)"
 
 
-def _state(ledger: list[dict], stack: str) -> str:
-    """What one rank is doing; "{be}" stands for "is" or "are"."""
+def rank_state(ledger: list[dict], stack: str) -> str:
+    """What one rank is doing, "{be}" standing for "is" or "are": "{be} waiting in recv #2 (4 B, world group)"."""
     waiting = [e for e in ledger if e["end"] is None and not e["async"]]
     if waiting:
         return f"{{be}} waiting in {_what(waiting[-1])}"
@@ -109,18 +109,23 @@ def describe_stuck(ledgers: dict[int, list[dict]], stacks: dict[int, str]) -> li
     `stacks` names the stuck ranks; a rank's cell line is counted as the learner
     sees it (the magic line is line 1: both launchers number the script so).
     """
+    return lines_by_state({rank: rank_state(ledgers.get(rank, []), stacks[rank]) for rank in stacks})
+
+
+def lines_by_state(states: dict[int, str]) -> list[str]:
+    """One line per state shared by ranks, lowest rank first: "ranks 0, 2 are waiting in ...".
+
+    A state's "{be}", "{it}" and "{waits}" become "is"/"are", "it"/"they", "waits"/"wait".
+    """
     by_state: dict[str, list[int]] = {}
-    for rank in sorted(stacks):
-        by_state.setdefault(_state(ledgers.get(rank, []), stacks[rank]), []).append(rank)
+    for rank in sorted(states):
+        by_state.setdefault(states[rank], []).append(rank)
     lines = []
     for state, ranks in by_state.items():
-        lines.append(f"{ranks_phrase(ranks)} {state.format(be='is' if len(ranks) == 1 else 'are')}")
+        one = len(ranks) == 1
+        words = {"be": "is" if one else "are", "it": "it" if one else "they", "waits": "waits" if one else "wait"}
+        lines.append(f"{ranks_phrase(ranks)} {state.format(**words)}")
     return lines
-
-
-def rank_state(ledger: list[dict], stack: str) -> str:
-    """What one rank is doing, "{be}" standing for "is" or "are": "{be} waiting in recv #2 (4 B, world group)"."""
-    return _state(ledger, stack)
 
 
 # What a rank's error says when a peer it was talking to had already exited: gloo's TCP pair
