@@ -22,7 +22,7 @@ from typing import Any
 from ..measure.memory import EXACT, PHASES, named_shapes, predict_step, unit_prefixes
 from ..units import unit_for
 from ..vocabulary import STRATEGIES
-from .figures import CATEGORY_COLORS, new_figure, show
+from .figures import CATEGORY_COLORS, fit_figure, new_figure, show
 
 __all__ = ["MemoryRow", "MemoryView", "show_memory"]
 
@@ -194,6 +194,8 @@ def _draw(rows: list[MemoryRow], title: str) -> Any:
     axes[0].set_ylabel(f"{unit} per rank")
     handles = [Patch(color=CATEGORY_COLORS[c], label=c) for c in STACK]
     handles.append(Patch(fill=False, edgecolor="black", linestyle="--", label="predicted"))
-    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), fontsize=8, frameon=False)
+    # One row of 7 entries is wider than a one-strategy figure: two rows there.
+    columns = len(handles) if len(strategies) > 1 else (len(handles) + 1) // 2
+    fig.legend(handles=handles, loc="outside lower center", ncol=columns, fontsize=8, frameon=False)
     fig.suptitle(title, fontsize=11)
-    return fig
+    return fit_figure(fig)
