@@ -15,6 +15,10 @@ def average_gradients(model: torch.nn.Module) -> None:
         p.grad /= world
 '''
 
+# ReduceOp.AVG averages in one call (gloo supports it): right.
+AVERAGE_REDUCE_OP_AVG = AVERAGE_SOLUTION.replace("dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)\n        p.grad /= world",
+                                                 "dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)")
+
 # Sums and forgets to divide: every gradient N times the average.
 AVERAGE_SUMS = AVERAGE_SOLUTION.replace("        p.grad /= world\n", "")
 
@@ -71,6 +75,34 @@ def allreduce_bucketed(tensors, bucket_cap_bytes):
 # Averages the flat buffer but never copies it back: the tensors are unchanged.
 BUCKETED_NO_COPY_BACK = BUCKETED_SOLUTION.replace("            t.copy_(flat[offset:offset + t.numel()].view_as(t))\n",
                                                   "            flat[offset:offset + t.numel()].view_as(t)\n")
+
+# Puts the averaged slices into the list instead of copying them into the tensors: the caller's
+# tensors (a model's gradients, in DDP) are unchanged.
+BUCKETED_REPLACES_ENTRIES = '''%%exercise 02.bucketed_allreduce
+import torch
+import torch.distributed as dist
+
+
+def allreduce_bucketed(tensors, bucket_cap_bytes):
+    buckets, size = [], 0
+    for i, t in enumerate(tensors):
+        nbytes = t.numel() * t.element_size()
+        if buckets and size + nbytes <= bucket_cap_bytes:
+            buckets[-1].append(i)
+            size += nbytes
+        else:
+            buckets.append([i])
+            size = nbytes
+    for bucket in buckets:
+        flat = torch.cat([tensors[i].reshape(-1) for i in bucket])
+        dist.all_reduce(flat)
+        flat /= dist.get_world_size()
+        offset = 0
+        for i in bucket:
+            n = tensors[i].numel()
+            tensors[i] = flat[offset:offset + n].view_as(tensors[i])
+            offset += n
+'''
 
 # Sums the buckets without dividing.
 BUCKETED_SUMS = BUCKETED_SOLUTION.replace("        flat /= dist.get_world_size()\n", "")

@@ -187,6 +187,7 @@ WRONG = [
         AVERAGE_3: "that is 3 times the average, the sum",
         AVERAGE_FROZEN: "that is 2 times the average, the sum",
     }, id="average-sums"),
+    pytest.param("02.average_gradients", answers.AVERAGE_REDUCE_OP_AVG, {}, id="average-reduce-op-avg-passes"),
     pytest.param("02.average_gradients", answers.AVERAGE_DIVIDES_BY_2, {
         AVERAGE_3: "that is the sum divided by 2; divide by the world size, 3 here",
     }, id="average-divides-by-2"),
@@ -216,6 +217,10 @@ WRONG = [
                          "bucket back into the tensors",
         BUCKET_VALUES_3: "it is unchanged; copy the averaged flat bucket back",
     }, id="bucketed-no-copy-back"),
+    pytest.param("02.bucketed_allreduce", answers.BUCKETED_REPLACES_ENTRIES, {
+        BUCKET_VALUES_2: "tensor 0 element [0, 0] is 6, expected 1.5: it is unchanged",
+        BUCKET_VALUES_3: "it is unchanged; copy the averaged flat bucket back",
+    }, id="bucketed-replaces-entries"),
     pytest.param("02.bucketed_allreduce", answers.BUCKETED_SUMS, {
         BUCKET_VALUES_2: "that is 2 times the average",
         BUCKET_VALUES_3: "that is 3 times the average",

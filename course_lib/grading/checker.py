@@ -181,12 +181,14 @@ def _launch_failure(exercise: Exercise, run: RunSpec, launch: LaunchResult, time
     where = _CELL_LINE.findall(err)
     at = f" at cell line {where[-1]}" if where else ""
     last = lines[-1] if lines else "no error message"
+    raised = "Traceback (most recent call last):" in err
+    if raised:
+        last = _raised(err) or last
     if "[Errno 27] File too large" in last:  # RLIMIT_FSIZE: Python ignores SIGXFSZ, so writes fail
         last += f" (a rank may write at most {binary_bytes(limits.file_bytes)}: print less)"
     if "can't allocate memory" in last or last.startswith("MemoryError"):  # RLIMIT_DATA: allocations fail
         last += f" (memory limit: a rank may use at most {binary_bytes(limits.memory_bytes)})"
-    if "Traceback (most recent call last):" in err:
-        last = _raised(err) or last
+    if raised:
         hint = stub_hint(last, exercise.id)
         if hint:
             # Every item of the run fails with the stub's hint, a paragraph long: it goes apart, shown once.

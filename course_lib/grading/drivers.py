@@ -97,10 +97,14 @@ def average_gradients(fn: Callable, weights: list, inputs: torch.Tensor, targets
 
 
 def in_place_list(fn: Callable, tensors: list, *args) -> dict:
-    """fn(ts, *args) changes the tensors of list ts in place: send back the list afterwards."""
+    """fn(ts, *args) changes the tensors of list ts in place: send back those tensors afterwards.
+
+    The tensors given, not what the list holds afterwards: replacing an entry is not in place.
+    """
     ts = [t.clone() for t in tensors]
+    given = list(ts)
     returned = fn(ts, *args)
-    return {"tensors": [t.detach().clone() for t in ts], "returned": _describe(returned)}
+    return {"tensors": [t.detach().clone() for t in given], "returned": _describe(returned)}
 
 
 def _bucket_sizes(ddp_model) -> list[int]:
