@@ -27,7 +27,7 @@ from .rank_set import RankSet
 from ..units import binary_bytes
 from .spec import CaseResult, Exercise, ItemResult, Limits, RunOutcome, RunSpec
 
-__all__ = ["check_exercise", "rank_set_for", "submission_source"]
+__all__ = ["check_exercise", "preload_for", "rank_set_for", "submission_source"]
 
 MAX_OUTPUT_CHARS = 2000  # of a rank's own prints kept in a report (Gradescope shows it)
 
@@ -40,14 +40,21 @@ def submission_source(cell_source: str) -> str:
     return f"{first}\n{rest}"
 
 
+def preload_for(exercises) -> tuple[str, ...]:
+    """The modules a rank server should import for `exercises` (the union of their `preload`), sorted."""
+    return tuple(sorted({name for found in exercises for name in found.preload}))
+
+
 def rank_set_for(exercises: list[Exercise], limits: Limits = Limits(), server: RankServer | None = None) -> RankSet:
     """A set of ranks big enough for every run of `exercises`, its CPU budget the sum of their deadlines.
 
-    `server`: the rank server to fork them from (the grader shares one); by default the set starts its own.
+    `server`: the rank server to fork them from (the grader shares one); by default the set starts its
+    own, which imports what the exercises preload.
     """
     runs = [run for found in exercises for run in found.runs]
     return RankSet(max((run.nproc for run in runs), default=1), limits,
-                   cpu_s=sum(limits.run_timeout_s or run.timeout_s for run in runs), server=server)
+                   cpu_s=sum(limits.run_timeout_s or run.timeout_s for run in runs), server=server,
+                   preload=preload_for(exercises))
 
 
 def check_exercise(exercise: Exercise, cell_source: str, *, limits: Limits = Limits(),
@@ -174,17 +181,39 @@ def _launch_failure(exercise: Exercise, run: RunSpec, launch: LaunchResult, time
     where = _CELL_LINE.findall(err)
     at = f" at cell line {where[-1]}" if where else ""
     last = lines[-1] if lines else "no error message"
+    raised = "Traceback (most recent call last):" in err
+    if raised:
+        last = _raised(err) or last
     if "[Errno 27] File too large" in last:  # RLIMIT_FSIZE: Python ignores SIGXFSZ, so writes fail
         last += f" (a rank may write at most {binary_bytes(limits.file_bytes)}: print less)"
     if "can't allocate memory" in last or last.startswith("MemoryError"):  # RLIMIT_DATA: allocations fail
         last += f" (memory limit: a rank may use at most {binary_bytes(limits.memory_bytes)})"
-    if "Traceback (most recent call last):" in err:
+    if raised:
         hint = stub_hint(last, exercise.id)
         if hint:
             # Every item of the run fails with the stub's hint, a paragraph long: it goes apart, shown once.
             return f"rank {rank} raised{at}: NotImplementedError: this part of {exercise.id} is not written yet", hint
         return f"rank {rank} raised{at}: {last}", ""
     return f"rank {rank} exited with code {code}: {last}", ""
+
+
+MAX_ERROR_CHARS = 500  # of an exception's message in a report
+
+
+def _raised(err: str) -> str:
+    """The exception the last traceback in `err` ends with, its message's lines joined into one:
+    `TypeError: Invalid function argument. ... but got <class 'NoneType'> instead.` ("" if none)."""
+    lines = err.rstrip().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")]
+    if not starts:
+        return ""
+    # After the header come the frames, indented; the exception starts at the first line that is not.
+    body = lines[starts[-1] + 1:]
+    first = next((i for i, line in enumerate(body) if line and not line[0].isspace()), None)
+    if first is None:
+        return ""
+    text = " ".join(line.strip() for line in body[first:] if line.strip())
+    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + " ..."
 
 
 def _trimmed_output(launch: LaunchResult) -> str:

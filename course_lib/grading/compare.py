@@ -9,8 +9,12 @@ from ..vocabulary import SENDS
 __all__ = ["first_difference", "ops_called", "bytes_sent"]
 
 
-def first_difference(got: Any, expected: Any) -> str:
-    """"" if `got` equals the tensor `expected` exactly; else the first difference, in words."""
+def first_difference(got: Any, expected: Any, *, rtol: float = 0.0, atol: float = 0.0) -> str:
+    """"" if `got` equals the tensor `expected`; else the first difference, in words.
+
+    Exact by default; with `rtol`/`atol`, elements within `atol + rtol * |expected|` count as
+    equal (torch.isclose's rule, as `torch.testing.assert_close` applies it).
+    """
     import torch
 
     if not isinstance(got, torch.Tensor):
@@ -19,7 +23,10 @@ def first_difference(got: Any, expected: Any) -> str:
         return f"shape {list(got.shape)}, expected {list(expected.shape)}"
     if got.dtype != expected.dtype:
         return f"dtype {str(got.dtype)[6:]}, expected {str(expected.dtype)[6:]}"
-    differs = (got != expected).nonzero()
+    if rtol or atol:
+        differs = (~torch.isclose(got, expected, rtol=rtol, atol=atol)).nonzero()
+    else:
+        differs = (got != expected).nonzero()
     if len(differs) == 0:
         return ""
     index = tuple(int(i) for i in differs[0])

@@ -21,7 +21,7 @@ import sys
 
 from ..torch_support import unsupported_torch_message
 from .cells import exercise_cells
-from .checker import check_exercise, rank_set_for
+from .checker import check_exercise, preload_for, rank_set_for
 from .gradescope import results_json, write_atomically, write_csv
 from .guard import FileGuard
 from .parallel import grade_in_parallel, grade_one_at_a_time
@@ -145,7 +145,8 @@ def grade(files: list[pathlib.Path], out: pathlib.Path, *, hidden_dir: pathlib.P
         else:
             todo.append((path, name, sha))
 
-    server = RankServer() if todo else None  # imports torch once; every submission's ranks are forked from it
+    # Imports torch (and what any exercise preloads) once; every submission's ranks are forked from it.
+    server = RankServer(preload_for(public_exercises().values())) if todo else None
 
     def grade_one(item: tuple[pathlib.Path, str, str]) -> tuple[dict[str, list[ItemResult]], str]:
         progress.start(item[1])

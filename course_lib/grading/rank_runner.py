@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import functools
 import json
 import os
 import resource
@@ -203,7 +204,12 @@ class _Phases:
             pass
 
     def around(self, fn):
-        """`fn`, marking "function" when it is entered and "after" when it returns or raises."""
+        """`fn`, marking "function" when it is entered and "after" when it returns or raises.
+
+        The wrapper keeps `fn`'s name and signature (functools.wraps; `inspect.unwrap` gives `fn`
+        back), so a driver that registers it or looks at it sees the learner's function.
+        """
+        @functools.wraps(fn)
         def learner_function(*args, **kwargs):
             self.mark("function")
             try:

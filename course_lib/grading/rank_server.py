@@ -5,6 +5,7 @@ already has it starts in milliseconds. `RankServer` (the checker's side) starts
 
     python -m course_lib.grading.rank_server
 
+(followed by the names of modules to import before forking, if any: `Exercise.preload`)
 and writes one JSON request per line on its stdin; for each the server forks a
 rank that connects back to the checker's socket and serves jobs
 (rank_runner.serve). The server answers on stdout, one line each:
@@ -63,8 +64,13 @@ def _fork_rank(request: dict, closing: list[int]) -> int:
         os._exit(1)
 
 
-def main() -> None:
+def main(preload: list[str]) -> None:
+    import importlib
+
     from . import rank_runner  # noqa: F401 - imports torch, once, before any fork
+
+    for name in preload:  # what the exercises' drivers import (torch._dynamo for DDP): forks inherit it
+        importlib.import_module(name)
 
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -107,11 +113,15 @@ def main() -> None:
 # ---------------------------------------------------------------- the checker's side
 
 class RankServer:
-    """The server process, from the checker: `fork(request) -> pid`, `exit_code(pid)`, `stop()`. Thread-safe."""
+    """The server process, from the checker: `fork(request) -> pid`, `exit_code(pid)`, `stop()`. Thread-safe.
 
-    def __init__(self):
+    `preload`: modules the server imports before forking any rank (`Exercise.preload`).
+    """
+
+    def __init__(self, preload: tuple[str, ...] = ()):
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        self.proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
+        self.preload = tuple(preload)
+        self.proc = subprocess.Popen([sys.executable, "-m", __name__, *self.preload], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env)
         self._cond = threading.Condition()
         self._started: dict[int, int] = {}  # request id -> pid
@@ -176,4 +186,4 @@ class RankServer:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

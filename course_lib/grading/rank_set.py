@@ -55,8 +55,8 @@ class RankSet:
     """`size` grading ranks; `run(job_dir, ...)` any number of times; `close()` (or use `with`)."""
 
     def __init__(self, size: int, limits: Limits = Limits(), *, cpu_s: float = 600.0,
-                 server: RankServer | None = None):
-        self.size, self.limits, self.cpu_s = size, limits, cpu_s
+                 server: RankServer | None = None, preload: tuple[str, ...] = ()):
+        self.size, self.limits, self.cpu_s, self.preload = size, limits, cpu_s, tuple(preload)
         self.set_dir = pathlib.Path(tempfile.mkdtemp(prefix="course_ranks_"))  # mode 0700
         self.mark = uuid.uuid4().hex
         self.runs = 0
@@ -81,7 +81,7 @@ class RankSet:
             self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                         timeout=datetime.timedelta(seconds=60))
         if self._server is None:
-            self._server = RankServer()
+            self._server = RankServer(self.preload)
         key = secrets.token_bytes(32)
         address = str(self.set_dir / f"ranks{self.starts}.sock")
         listener = socket.socket(socket.AF_UNIX)

@@ -1,0 +1,286 @@
+"""Lesson 02's exercises, graded on real gloo ranks: the solution scores full marks, the stub
+zero with its hint (shown once per report), and each plausible wrong answer loses exactly the points
+its mistake deserves, with a message that names what is wrong.
+
+One set of grading ranks serves the whole module (as the grader gives one to a submission): it is
+started once, forked from a server that has imported torch and torch._dynamo (which DDP's constructor
+imports), and restarted only after a run that failed.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import nbformat
+import pytest
+
+import grading_answers_02 as answers
+from course_lib.grading.authoring import BEGIN_LINE
+from course_lib.grading.cells import EXERCISE_ID, exercise_cells
+from course_lib.grading.checker import check_exercise, preload_for, rank_set_for
+from course_lib.grading.gradescope import results_json
+from course_lib.grading.lesson02 import ATOL, FP16_ATOL, FP16_RTOL, LR, RTOL, greedy_buckets
+from course_lib.grading.registry import exercise, exercises_of_lesson
+from course_lib.grading.report import item_line
+from course_lib.units import binary_bytes
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOK = "02_ddp.ipynb"
+SOLUTIONS = exercise_cells(nbformat.read(ROOT / "solutions" / NOTEBOOK, as_version=4))
+STUBS = exercise_cells(nbformat.read(ROOT / "exercises" / NOTEBOOK, as_version=4))
+IDS = exercises_of_lesson("02")
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    with rank_set_for([exercise(i) for i in IDS]) as shared:
+        yield shared
+
+
+def _markdown(notebook: str) -> list[str]:
+    nb = nbformat.read(ROOT / notebook / NOTEBOOK, as_version=4)
+    return [cell.source for cell in nb.cells if cell.cell_type == "markdown"]
+
+
+def _sections(notebook: str) -> dict[str, str]:
+    """{exercise id: the markdown from its "## <id>: ..." heading to the next heading}."""
+    sections, current = {}, None
+    for text in _markdown(notebook):
+        heading = re.match(r"## (\S+):", text)
+        if text.startswith("#"):
+            current = heading.group(1) if heading else None
+        if current:
+            sections[current] = sections.get(current, "") + text + "\n"
+    return sections
+
+
+@pytest.mark.parametrize("notebook", ["solutions", "exercises"])
+def test_the_notebook_lists_exactly_the_exercises_graded(notebook):
+    assert IDS == ["02.average_gradients", "02.bucketed_allreduce", "02.no_sync_accumulation",
+                   "02.fp16_compress_hook"]
+    cells = exercise_cells(nbformat.read(ROOT / notebook / NOTEBOOK, as_version=4))
+    assert list(cells) == IDS  # the %%exercise cells, in the registry's order
+    markdown = "\n".join(_markdown(notebook))
+    assert re.findall(r"^\d+\. `(\S+)`", markdown, re.M) == IDS  # the list under Goal
+    assert list(_sections(notebook)) == IDS
+    named = set(re.findall(rf"\b{EXERCISE_ID.pattern}\b", markdown))
+    assert named <= set(IDS), f"the text names exercises nobody grades: {sorted(named - set(IDS))}"
+
+
+def _case_phrases(exercise_id: str, case: dict) -> list[str]:
+    """What the text must say about one case (rank 0's arguments and the world size)."""
+    n, args = len(case), case[0]
+    if exercise_id in ("02.average_gradients", "02.fp16_compress_hook"):
+        rows = args[1].shape[0]
+        frozen = [f"`{name}` frozen" for name in (args[3] if len(args) > 3 else [])]
+        return [f"a batch of {rows * n} rows, {rows} per rank", *frozen]
+    if exercise_id == "02.bucketed_allreduce":
+        tensors, cap = args
+        shapes = ", ".join("x".join(map(str, t.shape)) for t in tensors)
+        buckets = greedy_buckets([t.numel() * t.element_size() for t in tensors], cap)
+        return [f"{str(tensors[0].dtype)[6:]} tensors of shapes {shapes} with a cap of {binary_bytes(cap)}",
+                "buckets of " + ", ".join(binary_bytes(b) for b in buckets)]
+    micro_batches = args[1]
+    return [f"K={len(micro_batches)} micro-batches of {micro_batches[0][0].shape[0]} rows per rank"]
+
+
+def _power(tolerance: float) -> str:
+    """A tolerance as the text writes it: 1e-05 -> "1e-5"."""
+    return f"{tolerance:.0e}".replace("e-0", "e-")
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_each_exercise_states_its_deadline_cases_and_allowed_calls(exercise_id):
+    """What the checks enforce (lesson02.py, rank_runner's blocked calls), as the learner reads it."""
+    text, found = _sections("solutions")[exercise_id], exercise(exercise_id)
+    assert f"**Graded on** {len(found.runs)} runs" in text
+    for run in found.runs:
+        assert f"deadline of {run.timeout_s:g} s" in text
+        assert f"{run.nproc} ranks" in text
+        for case in run.make_inputs(run.nproc):
+            for phrase in _case_phrases(exercise_id, case):
+                assert phrase in text, f"{exercise_id}: no {phrase!r}"
+    if exercise_id == "02.fp16_compress_hook":
+        assert f"atol {_power(FP16_ATOL)} + rtol {_power(FP16_RTOL)}" in text
+    else:
+        assert f"rtol {_power(RTOL)} and atol {_power(ATOL)}" in text
+    if exercise_id == "02.no_sync_accumulation":
+        assert f"lr {LR:g}" in text
+    assert found.allowed_ops is not None
+    for op in sorted(found.allowed_ops):
+        assert f"`dist.{op}`" in text
+    assert "Any other collective or point-to-point call" in text
+    assert "`dist.get_rank()`" in text  # not a communication: never blocked
+
+
+def test_the_ddp_exercises_fork_their_ranks_with_torch_dynamo_imported():
+    """DDP's constructor imports torch._dynamo (seconds): the ranks' server imports it before forking."""
+    assert preload_for([exercise(i) for i in IDS[:2]]) == ()
+    assert preload_for([exercise(i) for i in IDS]) == ("torch._dynamo",)
+    found = exercise("02.no_sync_accumulation")
+    # The cell itself runs on the ranks before the checker's DDP exists: torch._dynamo is there already.
+    cell = answers.ACCUMULATION_SOLUTION.replace(
+        "import torch\n", "import sys\nimport torch\n\nassert 'torch._dynamo' in sys.modules, 'not preloaded'\n", 1)
+    with rank_set_for([found]) as own:
+        items = check_exercise(found, cell, ranks=own)
+    assert all(item.passed for item in items), "\n".join(map(item_line, items))
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_solution_scores_full_marks(exercise_id, ranks):
+    items = check_exercise(exercise(exercise_id), SOLUTIONS[exercise_id], ranks=ranks)
+    assert all(item.passed for item in items), "\n".join(map(item_line, items))
+    assert sum(item.score for item in items) == exercise(exercise_id).points > 0
+
+
+def _hint(answer_cell: str) -> str:
+    """The hint on the solution cell's `### BEGIN SOLUTION hint: ...` line (what its stub raises)."""
+    (hint,) = [m.group(1) for line in answer_cell.splitlines() if (m := BEGIN_LINE.fullmatch(line.strip()))]
+    return hint
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_stub_scores_zero_and_says_what_to_write_once(exercise_id, ranks):
+    items = check_exercise(exercise(exercise_id), STUBS[exercise_id], ranks=ranks)
+    assert sum(item.score for item in items) == 0
+    hint = _hint(SOLUTIONS[exercise_id])
+    for item in items:
+        assert f"NotImplementedError: this part of {exercise_id} is not written yet" in item.message, item.message
+        assert item.message.startswith("rank "), item.message  # names the rank that raised
+        assert hint not in item.message and item.hint == hint
+    shown: set[str] = set()
+    report = "\n".join(item_line(item, shown) for item in items)
+    assert report.count(hint) == 1 and report.count("hint: ") == 1, report
+    tests = results_json({exercise_id: items}, extra={})["tests"]
+    assert [hint in test["output"] for test in tests] == [True] + [False] * (len(tests) - 1)
+
+
+def _lost(items) -> dict[str, str]:
+    return {item.name: item.message for item in items if not item.passed}
+
+
+AVERAGE_2, AVERAGE_3, AVERAGE_FROZEN = (
+    "averages every gradient on 2 ranks", "averages every gradient on 3 ranks",
+    "skips a frozen parameter (requires_grad=False, .grad None)")
+BUCKET_VALUES_2, BUCKET_CALLS_2, BUCKET_VALUES_3, BUCKET_CALLS_3 = (
+    "averages every tensor in place on 2 ranks (float32 and float64)",
+    "one all_reduce per bucket, of the bucket's bytes, on 2 ranks",
+    "averages on 3 ranks, with a tensor larger than the cap",
+    "one all_reduce per bucket on 3 ranks (the large tensor alone)")
+STEP_2, SYNC_ONCE, ZERO_GRAD, STEP_3 = (
+    "one step equals one process on the whole batch (2 ranks, K=2 and K=3)",
+    "DDP all-reduces once per bucket per step (K-1 backwards inside no_sync)",
+    "leaves no gradient behind (zero_grad after the step)",
+    "one step equals one process on the whole batch (3 ranks, K=2)")
+HOOK_GRADS_2, HOOK_WIRE_2, HOOK_ASYNC, HOOK_GRADS_3, HOOK_WIRE_3 = (
+    "gradients equal the full-batch ones within float16 rounding (2 ranks)",
+    "all-reduces float16: half the bytes of the float32 gradients (2 ranks)",
+    "starts the all_reduce with async_op=True and returns its future",
+    "gradients equal the full-batch ones within float16 rounding (3 ranks)",
+    "all-reduces float16: half the bytes of the float32 gradients (3 ranks)")
+OWN_HOOK = "your hook uses torch's own fp16_compress_hook; write the compression yourself"
+
+WRONG = [
+    pytest.param("02.average_gradients", answers.AVERAGE_SUMS, {
+        AVERAGE_2: "that is 2 times the average, the sum; divide it by the world size",
+        AVERAGE_3: "that is 3 times the average, the sum",
+        AVERAGE_FROZEN: "that is 2 times the average, the sum",
+    }, id="average-sums"),
+    pytest.param("02.average_gradients", answers.AVERAGE_REDUCE_OP_AVG, {}, id="average-reduce-op-avg-passes"),
+    pytest.param("02.average_gradients", answers.AVERAGE_DIVIDES_BY_2, {
+        AVERAGE_3: "that is the sum divided by 2; divide by the world size, 3 here",
+    }, id="average-divides-by-2"),
+    pytest.param("02.average_gradients", answers.AVERAGE_SKIPS_BIASES, {
+        AVERAGE_2: "0.bias.grad element 0 is 0.0150171, expected -0.0325956: that is this rank's own gradient, "
+                   "not averaged (while 0.weight was averaged); average every parameter's .grad, biases too",
+        AVERAGE_3: "0.bias.grad element 0 is -0.154274, expected 0.0036705: that is this rank's own gradient",
+        AVERAGE_FROZEN: "0.bias.grad element 0 is 0.17107, expected 0.149172: that is this rank's own gradient, "
+                        "not averaged (while 2.weight was averaged)",
+    }, id="average-skips-biases"),
+    pytest.param("02.average_gradients", answers.AVERAGE_PARAMS, {
+        name: "every .grad is unchanged: all-reduce each p.grad (not p or p.data)"
+        for name in (AVERAGE_2, AVERAGE_3, AVERAGE_FROZEN)
+    }, id="average-params"),
+    pytest.param("02.average_gradients", answers.AVERAGE_NO_NONE_CHECK, {
+        # A multi-line error message, reported whole.
+        AVERAGE_FROZEN: "rank 0 raised at cell line 9: TypeError: Invalid function argument. Expected parameter "
+                        "`tensor` of type torch.Tensor but got <class 'NoneType'> instead.",
+    }, id="average-no-none-check"),
+    pytest.param("02.bucketed_allreduce", answers.BUCKETED_PER_TENSOR, {
+        BUCKET_CALLS_2: "5 all_reduce calls of 48 B, 20 B, 16 B, 28 B, 24 B, expected 3, of 48 B, 64 B, 24 B "
+                        "(consecutive tensors, in order, in buckets of at most 64 B): one all_reduce per tensor",
+        BUCKET_CALLS_3: "4 all_reduce calls of 8 B, 160 B, 12 B, 20 B, expected 3, of 8 B, 160 B, 32 B",
+    }, id="bucketed-per-tensor"),
+    pytest.param("02.bucketed_allreduce", answers.BUCKETED_NO_COPY_BACK, {
+        BUCKET_VALUES_2: "tensor 0 element [0, 0] is 6, expected 1.5: it is unchanged; copy the averaged flat "
+                         "bucket back into the tensors",
+        BUCKET_VALUES_3: "it is unchanged; copy the averaged flat bucket back",
+    }, id="bucketed-no-copy-back"),
+    pytest.param("02.bucketed_allreduce", answers.BUCKETED_REPLACES_ENTRIES, {
+        BUCKET_VALUES_2: "tensor 0 element [0, 0] is 6, expected 1.5: it is unchanged",
+        BUCKET_VALUES_3: "it is unchanged; copy the averaged flat bucket back",
+    }, id="bucketed-replaces-entries"),
+    pytest.param("02.bucketed_allreduce", answers.BUCKETED_SUMS, {
+        BUCKET_VALUES_2: "that is 2 times the average",
+        BUCKET_VALUES_3: "that is 3 times the average",
+    }, id="bucketed-sums"),
+    pytest.param("02.bucketed_allreduce", answers.BUCKETED_STRICT_CAP, {
+        BUCKET_CALLS_2: "3 all_reduce calls of 48 B, 36 B, 52 B, expected 3, of 48 B, 64 B, 24 B (consecutive "
+                        "tensors, in order, in buckets of at most 64 B): a bucket of exactly 64 B was split",
+        BUCKET_CALLS_3: "a bucket of exactly 32 B was split",
+    }, id="bucketed-strict-cap"),
+    pytest.param("02.no_sync_accumulation", answers.ACCUMULATION_SYNC_EVERY_TIME, {
+        SYNC_ONCE: "2 all_reduce calls of 176 B, 176 B, expected 1 (one per DDP bucket, on the last backward "
+                   "only): DDP synchronised 2 times; run the first K-1=1 backwards inside ddp_model.no_sync()",
+    }, id="accumulation-syncs-every-time"),
+    pytest.param("02.no_sync_accumulation", answers.ACCUMULATION_NEVER_SYNCS, {
+        STEP_2: "the ranks hold different parameters, so no gradient was all-reduced; run the last "
+                "micro-batch's backward outside no_sync()",
+        SYNC_ONCE: "no all_reduce, expected 1 (one per DDP bucket, on the last backward only): DDP never "
+                   "synchronised",
+        STEP_3: "the ranks hold different parameters",
+    }, id="accumulation-never-syncs"),
+    pytest.param("02.no_sync_accumulation", answers.ACCUMULATION_NO_DIVIDE, {
+        STEP_2: "the update is 2 times too large; divide each micro-batch's loss by K=2",
+        STEP_3: "the update is 2 times too large",
+    }, id="accumulation-no-divide"),
+    pytest.param("02.no_sync_accumulation", answers.ACCUMULATION_NO_ZERO_GRAD, {
+        ZERO_GRAD: "0.weight.grad is not zero after the step; call optimizer.zero_grad() after optimizer.step()",
+    }, id="accumulation-no-zero-grad"),
+    pytest.param("02.fp16_compress_hook", answers.FP16_NO_DIVIDE, {
+        HOOK_GRADS_2: "that is 2 times the average, the sum",
+        HOOK_GRADS_3: "that is 3 times the average, the sum",
+    }, id="fp16-no-divide"),
+    pytest.param("02.fp16_compress_hook", answers.FP16_NO_COMPRESSION, {
+        HOOK_WIRE_2: "all_reduce float32 of 176 B, expected 1 call: float16 of 88 B (half the float32 gradients' "
+                     "bytes): float32 on the wire, twice the bytes",
+        HOOK_WIRE_3: "all_reduce float32 of 176 B, expected 1 call: float16 of 88 B",
+    }, id="fp16-no-compression"),
+    pytest.param("02.fp16_compress_hook", answers.FP16_BLOCKING, {
+        HOOK_ASYNC: "the all_reduce was not asynchronous, so backward waited for it",
+    }, id="fp16-blocking"),
+    pytest.param("02.fp16_compress_hook", answers.FP16_TORCH_HOOK, {
+        name: OWN_HOOK for name in (HOOK_GRADS_2, HOOK_WIRE_2, HOOK_ASYNC, HOOK_GRADS_3, HOOK_WIRE_3)
+    }, id="fp16-torch-hook"),
+    pytest.param("02.fp16_compress_hook", answers.FP16_TORCH_HOOK_BY_MODULE, {
+        name: OWN_HOOK for name in (HOOK_GRADS_2, HOOK_WIRE_2, HOOK_ASYNC, HOOK_GRADS_3, HOOK_WIRE_3)
+    }, id="fp16-torch-hook-by-module"),
+    # DDP copies the hook's result into each float32 .grad, casting it: not casting back is no mistake.
+    pytest.param("02.fp16_compress_hook", answers.FP16_NO_CAST_BACK, {}, id="fp16-no-cast-back-passes"),
+]
+
+
+@pytest.mark.parametrize("exercise_id, source, lost", WRONG)
+def test_wrong_answer_loses_the_right_points_and_says_why(exercise_id, source, lost, ranks):
+    items = check_exercise(exercise(exercise_id), source, ranks=ranks)
+    got = _lost(items)
+    assert sorted(got) == sorted(lost), "\n".join(map(item_line, items))
+    for name, phrase in lost.items():
+        assert phrase in got[name], f"{name}: {got[name]!r} lacks {phrase!r}"
+
+
+def test_greedy_buckets_fill_up_to_the_cap_and_give_a_large_tensor_its_own():
+    assert greedy_buckets([48, 20, 16, 28, 24], 64) == [48, 64, 24]  # 20 + 16 + 28 = 64: the cap, allowed
+    assert greedy_buckets([8, 160, 12, 20], 32) == [8, 160, 32]  # 160 > 32: alone
+    assert greedy_buckets([], 64) == []
