@@ -264,13 +264,16 @@ def test_state_persists_and_output_is_rank_ordered(kernel):
     assert cell.status == "ok"
     assert lines(cell) == [HEADER, "[rank 0] x = 0", "[rank 1] x = 10"]
     assert lines(cell, "stderr") == ["[rank 0] warn 0", "[rank 1] warn 1"]
-    # Header, then the live view: an empty display that showed rank lines and ends empty.
-    assert [o["output_type"] for o in cell.outputs][:2] == ["stream", "display_data"]
+    # Header, then the live view: an empty display that showed rank lines and ends empty. (A loaded
+    # kernel may send the header's text and its newline as two stream messages: merge runs of streams.)
+    kinds = [kind for i, kind in enumerate(o["output_type"] for o in cell.outputs)
+             if kind != "stream" or i == 0 or cell.outputs[i - 1]["output_type"] != "stream"]
+    assert kinds[:2] == ["stream", "display_data"]
     assert cell.of_type("display_data")[0]["data"] == {"text/plain": ""}
     assert cell.updates and cell.updates[-1] == ""
     # Sent as nbclient and nbval send cells (nobody watching): no live view, so none is stored.
     batch = kernel.execute("%%dist\nprint(f'x = {x}')\n", allow_stdin=False)
-    assert [o["output_type"] for o in batch.outputs] == ["stream", "stream"] and not batch.updates
+    assert {o["output_type"] for o in batch.outputs} == {"stream"} and not batch.updates
     assert lines(batch) == [HEADER, "[rank 0] x = 0", "[rank 1] x = 10"]
 
 

@@ -83,3 +83,10 @@ def test_lesson_within_budget(path):
     text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
     for part in ("**Goal.**", "## Summary", "## Exercises"):
         assert part in text, f"no {part!r}"
+
+
+@pytest.mark.parametrize("path", STORED, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_kernel_named_as_jupyterlab_names_it(path):
+    """JupyterLab rewrites any other display name when the kernel starts, so the notebook opens as changed."""
+    spec = nbformat.read(path, as_version=4).metadata.kernelspec
+    assert (spec.name, spec.display_name) == ("python3", "Python 3 (ipykernel)")
