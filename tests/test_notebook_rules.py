@@ -94,8 +94,9 @@ def test_lesson_within_budget(path):
 @pytest.mark.parametrize("path", sorted((ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.name)
 def test_outputs_that_answer_a_prediction_are_stored_collapsed(path):
     """A learner sees the stored outputs before predicting: a cell that reads a prediction (other than
-    leaving it blank) prints the answer, so its output is stored collapsed (`jupyter.outputs_hidden`;
-    JupyterLab shows a bar to click). nbval still compares the output."""
+    leaving it blank) prints the answer, so its output is stored collapsed (`jupyter.outputs_hidden`).
+    JupyterLab then shows a bar with the output's first line, which must not give the answer (not
+    checked here), until the learner clicks it or runs the cell. nbval still compares the output."""
     nb = nbformat.read(path, as_version=4)
     shown = [i for i, cell in enumerate(nb.cells) if cell.cell_type == "code" and cell.outputs
              and len(PREDICTION.findall(cell.source)) > len(PREDICTION_LEFT_BLANK.findall(cell.source))
