@@ -23,6 +23,9 @@ MAX_CL_NAMES = 8
 
 # A path of this machine: a home, a checkout, a venv, a temporary folder, or a Windows drive.
 ABSOLUTE_PATH = re.compile(r"(?<![\w.<])(?:/(?:home|Users|work|tmp|usr|opt|root|var|private|srv|mnt)/|[A-Za-z]:\\)")
+# A learner's prediction ("Predict, then measure"), and the line where the lesson leaves it blank.
+PREDICTION = re.compile(r"\bmy_\w*prediction\w*")
+PREDICTION_LEFT_BLANK = re.compile(r"^my_\w*prediction\w*\s*=\s*None\b", re.M)
 
 
 def _outputs(nb):
@@ -43,6 +46,9 @@ def test_the_checks_find_what_they_look_for():
     assert ABSOLUTE_PATH.search(r"C:\Users\me\course")
     assert not ABSOLUTE_PATH.search('File "torch/distributed/distributed_c10d.py", line N')
     assert not ABSOLUTE_PATH.search("<site-packages>/torch/ and 4/8 ranks and tcp://localhost:1234/x")
+    blank, check = "my_prediction_mib = None   # e.g. 1.0", "if my_rank2_prediction is None:"
+    assert len(PREDICTION.findall(blank)) == len(PREDICTION_LEFT_BLANK.findall(blank)) == 1
+    assert PREDICTION.findall(check) == ["my_rank2_prediction"] and not PREDICTION_LEFT_BLANK.findall(check)
 
 
 @pytest.mark.parametrize("path", STORED, ids=lambda p: f"{p.parent.name}/{p.name}")
@@ -83,6 +89,19 @@ def test_lesson_within_budget(path):
     text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
     for part in ("**Goal.**", "## Summary", "## Exercises"):
         assert part in text, f"no {part!r}"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.name)
+def test_outputs_that_answer_a_prediction_are_stored_collapsed(path):
+    """A learner sees the stored outputs before predicting: a cell that reads a prediction (other than
+    leaving it blank) prints the answer, so its output is stored collapsed (`jupyter.outputs_hidden`).
+    JupyterLab then shows a bar with the output's first line, which must not give the answer (not
+    checked here), until the learner clicks it or runs the cell. nbval still compares the output."""
+    nb = nbformat.read(path, as_version=4)
+    shown = [i for i, cell in enumerate(nb.cells) if cell.cell_type == "code" and cell.outputs
+             and len(PREDICTION.findall(cell.source)) > len(PREDICTION_LEFT_BLANK.findall(cell.source))
+             and not cell.metadata.get("jupyter", {}).get("outputs_hidden")]
+    assert not shown, f"cells that read a prediction and show the answer in their stored output: {shown}"
 
 
 @pytest.mark.parametrize("path", STORED, ids=lambda p: f"{p.parent.name}/{p.name}")
