@@ -109,3 +109,15 @@ def test_kernel_named_as_jupyterlab_names_it(path):
     """JupyterLab rewrites any other display name when the kernel starts, so the notebook opens as changed."""
     spec = nbformat.read(path, as_version=4).metadata.kernelspec
     assert (spec.name, spec.display_name) == ("python3", "Python 3 (ipykernel)")
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name)
+def test_lesson_lists_exactly_the_exercises_graded(path):
+    """The ids a lesson's "## Exercises" section names are the ones the grader checks, in its order."""
+    from course_lib.grading.registry import exercises_of_lesson
+
+    text = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "markdown")
+    section = text.split("## Exercises", 1)[1]
+    lesson = path.name[:2]
+    named = list(dict.fromkeys(re.findall(rf"`({lesson}\.[a-z0-9_]+)`", section)))
+    assert named == exercises_of_lesson(lesson)
