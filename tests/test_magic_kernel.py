@@ -87,7 +87,12 @@ class Kernel:
                     kind, content = msg["msg_type"], msg["content"]
                     if kind == "status" and content["execution_state"] == "idle":
                         break
-                    if kind in ("stream", "display_data", "execute_result", "error"):
+                    if (kind == "stream" and outputs and outputs[-1]["output_type"] == "stream"
+                            and outputs[-1]["name"] == content["name"]):
+                        # The kernel flushes a stream in pieces when a write straddles its flush timer;
+                        # a notebook shows (and stores) consecutive pieces of one stream as one output.
+                        outputs[-1] = {**outputs[-1], "text": outputs[-1]["text"] + content["text"]}
+                    elif kind in ("stream", "display_data", "execute_result", "error"):
                         outputs.append({"output_type": kind, **content})
                     elif kind == "update_display_data":
                         updates.append(content["data"]["text/plain"])
