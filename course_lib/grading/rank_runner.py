@@ -34,6 +34,7 @@ fresh set. Expected values never come here: the checker computes them itself.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import functools
@@ -203,20 +204,29 @@ class _Phases:
         except OSError:  # the learner's code closed it or filled the disk quota: only a diagnosis is lost
             pass
 
+    @contextlib.contextmanager
+    def learner_code(self):
+        """Marks "function" on entry and "after" on exit (returning or raising)."""
+        self.mark("function")
+        try:
+            yield
+        finally:
+            self.mark("after")
+
     def around(self, fn):
         """`fn`, marking "function" when it is entered and "after" when it returns or raises.
 
         The wrapper keeps `fn`'s name and signature (functools.wraps; `inspect.unwrap` gives `fn`
-        back), so a driver that registers it or looks at it sees the learner's function.
+        back), so a driver that registers it or looks at it sees the learner's function. A driver
+        whose answer is a class (its methods run later, called by torch) wraps the whole block that
+        uses it in `wrapper.learner_code()` instead, and calls `inspect.unwrap(wrapper)`.
         """
         @functools.wraps(fn)
         def learner_function(*args, **kwargs):
-            self.mark("function")
-            try:
+            with self.learner_code():
                 return fn(*args, **kwargs)
-            finally:
-                self.mark("after")
 
+        learner_function.learner_code = self.learner_code
         return learner_function
 
     def close(self) -> None:

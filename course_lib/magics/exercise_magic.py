@@ -20,8 +20,9 @@ __all__ = ["ExerciseMagics"]
 
 
 def _defines(source: str, function: str) -> bool:
+    """Whether the cell defines `function` at its top level: a function, or a class (03.counting_joinable)."""
     tree = ast.parse(source)
-    return any(isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == function
+    return any(isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == function
                for node in tree.body)
 
 
@@ -44,7 +45,8 @@ class ExerciseMagics(Magics):
             raise UsageError(f"%%exercise: the cell does not parse: line {exc.lineno}: {exc.msg}") from None
         remember(exercise_id, full)
         if not _defines(cell, found.function):
-            print(f"saved {exercise_id}, but the cell defines no function {found.function} yet: "
+            kind = "class" if found.signature.startswith("class ") else "function"
+            print(f"saved {exercise_id}, but the cell defines no {kind} {found.function} yet: "
                   f"write {found.signature}")
             return
         print(f"saved {exercise_id}: {found.signature}; check it with cl.check({exercise_id!r})")

@@ -1,0 +1,285 @@
+"""Lesson 03's exercises, graded on real gloo ranks: the solution scores full marks, the stub
+zero with its hint (shown once per report), and each plausible wrong answer loses exactly the points
+its mistake deserves, with a message that names what is wrong; an answer that hangs is stopped at
+its deadline with the rank and the collective it waits in.
+
+One set of grading ranks serves the whole module (as the grader gives one to a submission): it is
+started once, forked from a server that has imported torch._dynamo (DDP's constructor imports it)
+and ZeroRedundancyOptimizer's module, and restarted only after a run that failed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+
+import nbformat
+import pytest
+
+import grading_answers_03 as answers
+from course_lib.grading.authoring import BEGIN_LINE
+from course_lib.grading.cells import EXERCISE_ID, exercise_cells
+from course_lib.grading.checker import check_exercise, preload_for, rank_set_for
+from course_lib.grading.gradescope import results_json
+from course_lib.grading.lesson02 import ATOL, RTOL, _batch, _sgd_step, _weights
+from course_lib.grading.lesson03 import ADAM_LR, LR, STATE_ATOL, STATE_RTOL, join_reference
+from course_lib.grading.registry import exercise, exercises_of_lesson
+from course_lib.grading.report import item_line
+from course_lib.grading.spec import Limits
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOK = "03_join.ipynb"
+SOLUTIONS = exercise_cells(nbformat.read(ROOT / "solutions" / NOTEBOOK, as_version=4))
+STUBS = exercise_cells(nbformat.read(ROOT / "exercises" / NOTEBOOK, as_version=4))
+IDS = exercises_of_lesson("03")
+JOIN, COUNTER, ZERO = IDS
+HANG_S = 4  # the deadline of a run that hangs: long enough for the steps before the hang
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    with rank_set_for([exercise(i) for i in IDS]) as shared:
+        yield shared
+
+
+def _markdown(notebook: str) -> list[str]:
+    nb = nbformat.read(ROOT / notebook / NOTEBOOK, as_version=4)
+    return [cell.source for cell in nb.cells if cell.cell_type == "markdown"]
+
+
+def _sections(notebook: str) -> dict[str, str]:
+    """{exercise id: the markdown from its "## <id>: ..." heading to the next heading}."""
+    sections, current = {}, None
+    for text in _markdown(notebook):
+        heading = re.match(r"## (\S+):", text)
+        if text.startswith("#"):
+            current = heading.group(1) if heading else None
+        if current:
+            sections[current] = sections.get(current, "") + text + "\n"
+    return sections
+
+
+@pytest.mark.parametrize("notebook", ["solutions", "exercises"])
+def test_the_notebook_lists_exactly_the_exercises_graded(notebook):
+    assert IDS == ["03.join_uneven_training", "03.counting_joinable", "03.zero_consolidate_save"]
+    cells = exercise_cells(nbformat.read(ROOT / notebook / NOTEBOOK, as_version=4))
+    assert list(cells) == IDS  # the %%exercise cells, in the registry's order
+    markdown = "\n".join(_markdown(notebook))
+    assert re.findall(r"^\d+\. `(\S+)`", markdown, re.M) == IDS  # the list under Goal
+    assert list(_sections(notebook)) == IDS
+    named = set(re.findall(rf"\b{EXERCISE_ID.pattern}\b", markdown))
+    assert named <= set(IDS), f"the text names exercises nobody grades: {sorted(named - set(IDS))}"
+
+
+def _and(numbers: list[int]) -> str:
+    """[2, 4, 3] -> "2, 4 and 3"."""
+    return ", ".join(map(str, numbers[:-1])) + f" and {numbers[-1]}"
+
+
+def _case_phrases(exercise_id: str, case: dict) -> list[str]:
+    """What the text must say about one case (the world size is checked apart)."""
+    n = len(case)
+    if exercise_id == JOIN:
+        counts = [len(case[r][1]) for r in range(n)]
+        return [f"{_and(counts)} batches (" + ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts)) + ")",
+                f"Batches have {case[0][1][0][0].shape[0]} rows"]
+    if exercise_id == COUNTER:
+        calls = [case[r][0] for r in range(n)]
+        return [f"{_and(calls)} calls", f"count of {sum(calls)}"]
+    steps, rows = len(case[0][1]), case[0][1][0][0].shape[0]
+    return [f"{steps} steps of {rows} rows per rank (batches of {n * rows} rows)"]
+
+
+def _power(tolerance: float) -> str:
+    """A tolerance as the text writes it: 1e-05 -> "1e-5"."""
+    return f"{tolerance:.0e}".replace("e-0", "e-")
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_each_exercise_states_its_deadline_cases_and_allowed_calls(exercise_id):
+    """What the checks enforce (lesson03.py, rank_runner's blocked calls), as the learner reads it."""
+    text, found = _sections("solutions")[exercise_id], exercise(exercise_id)
+    assert f"**Graded on** {len(found.runs)} runs" in text
+    for run in found.runs:
+        assert f"deadline of {run.timeout_s:g} s" in text
+        assert f"{run.nproc} ranks" in text
+        for case in run.make_inputs(run.nproc):
+            for phrase in _case_phrases(exercise_id, case):
+                assert phrase in text, f"{exercise_id}: no {phrase!r}"
+    if exercise_id == JOIN:
+        assert f"rtol {_power(RTOL)} and atol {_power(ATOL)}" in text and f"lr {LR:g}" in text
+    if exercise_id == ZERO:
+        assert f"rtol {_power(STATE_RTOL)} and atol {_power(STATE_ATOL)}" in text and f"lr={ADAM_LR:g}" in text
+    for op in sorted(found.allowed_ops):
+        assert f"`dist.{op}`" in text
+    assert "Any other collective or point-to-point call" in text
+    assert "`dist.get_rank()`" in text  # not a communication: never blocked
+
+
+def test_the_join_reference_with_even_inputs_is_one_process_on_the_whole_batch():
+    """Two ranks with one batch each: DDP's step, the sum over 2 divided by 2, is the whole batch's SGD step."""
+    weights, (inputs, targets) = _weights(5), _batch(6, 55)
+    shards = [[(inputs[:3], targets[:3])], [(inputs[3:], targets[3:])]]
+    got, expected = join_reference(weights, shards, LR), _sgd_step(weights, inputs, targets, LR)
+    for name, value in expected.items():
+        assert got[name].allclose(value, rtol=RTOL, atol=ATOL), name
+    # A rank that has joined adds zeros: a second step taken by rank 1 alone is half its own gradient.
+    alone = join_reference(weights, [shards[0], shards[1] * 2], LR)
+    by_active = join_reference(weights, [shards[0], shards[1] * 2], LR, divide_by_initial=False)
+    assert not all(alone[n].allclose(by_active[n]) for n in alone)
+
+
+def test_the_exercises_fork_their_ranks_with_what_ddp_and_zero_import(ranks):
+    """DDP's constructor imports torch._dynamo (seconds), ZeRO its module: the server imports both first."""
+    assert preload_for([exercise(COUNTER)]) == ()
+    assert preload_for([exercise(i) for i in IDS]) == (
+        "torch._dynamo", "torch.distributed.optim.zero_redundancy_optimizer")
+    found = exercise(ZERO)
+    # The cell runs on the ranks before the checker's DDP and ZeRO exist: their modules are there already.
+    cell = answers.ZERO_SOLUTION.replace(
+        "import torch\n", "import sys\nimport torch\n\nassert 'torch._dynamo' in sys.modules, 'not preloaded'\n"
+        "assert 'torch.distributed.optim.zero_redundancy_optimizer' in sys.modules, 'not preloaded'\n", 1)
+    items = check_exercise(dataclasses.replace(found, runs=found.runs[:1]), cell, ranks=ranks)
+    assert all(item.passed for item in items), "\n".join(map(item_line, items))
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_solution_scores_full_marks(exercise_id, ranks):
+    items = check_exercise(exercise(exercise_id), SOLUTIONS[exercise_id], ranks=ranks)
+    assert all(item.passed for item in items), "\n".join(map(item_line, items))
+    assert sum(item.score for item in items) == exercise(exercise_id).points > 0
+
+
+# Counter's stub has three answer regions; the checker's Join([counter]) builds the hook (given) and
+# then calls counter(): the region in __call__, the third, raises first.
+RAISED_FIRST = {JOIN: 0, COUNTER: 2, ZERO: 0}
+
+
+def _hints(answer_cell: str) -> list[str]:
+    """The hints on the solution cell's `### BEGIN SOLUTION hint: ...` lines (what its stubs raise)."""
+    return [m.group(1) for line in answer_cell.splitlines() if (m := BEGIN_LINE.fullmatch(line.strip()))]
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_stub_scores_zero_and_says_what_to_write_once(exercise_id, ranks):
+    items = check_exercise(exercise(exercise_id), STUBS[exercise_id], ranks=ranks)
+    assert sum(item.score for item in items) == 0
+    hint = _hints(SOLUTIONS[exercise_id])[RAISED_FIRST[exercise_id]]
+    for item in items:
+        assert f"NotImplementedError: this part of {exercise_id} is not written yet" in item.message, item.message
+        assert item.message.startswith("rank "), item.message  # names the rank that raised
+        assert hint not in item.message and item.hint == hint
+    shown: set[str] = set()
+    report = "\n".join(item_line(item, shown) for item in items)
+    assert report.count(hint) == 1 and report.count("hint: ") == 1, report
+    tests = results_json({exercise_id: items}, extra={})["tests"]
+    assert [hint in test["output"] for test in tests] == [True] + [False] * (len(tests) - 1)
+
+
+def _lost(items) -> dict[str, str]:
+    return {item.name: item.message for item in items if not item.passed}
+
+
+TRAINED_2, TRAINED_3 = (
+    "finishes, and every rank ends with one process's parameters (2 ranks: 2 and 3 batches)",
+    "finishes, and every rank ends with one process's parameters (3 ranks: 2, 4 and 3 batches)")
+COUNT_2, LAST_2, COUNT_3, LAST_3 = (
+    "every rank counts 5 calls (2 ranks: 2 and 3 calls)",
+    "post_hook: is_last_joiner True on the rank with the most calls only (2 ranks)",
+    "every rank counts all calls (3 ranks: 1, 3, 2 and 3, 1, 3 calls)",
+    "post_hook: is_last_joiner True on the ranks with the most calls, a tie included (3 ranks)")
+LOADS_2, STATE_2, STATE_3 = (
+    "rank 0's file loads into a plain torch.optim.Adam (2 ranks)",
+    "its state equals one process's Adam after 3 steps on the whole batch (2 ranks)",
+    "its state equals one process's Adam after 2 steps on the whole batch (3 ranks)")
+NOT_CONSOLIDATED = "RuntimeError: Optimizer state has not been consolidated on this rank"
+
+WRONG = [
+    pytest.param(JOIN, answers.JOIN_DIVIDES_BY_ACTIVE, {
+        TRAINED_2: "rank 0, case 1 of 1 (batches of 3 rows per rank: rank 0: 2, rank 1: 3): 0.weight element "
+                   "[0, 0] is -0.228817, expected -0.246385: that is the training with "
+                   "divide_by_initial_world_size=False (each step divided by the ranks still training); keep the "
+                   "default, True: a joined rank contributes zeros and the sum is divided by the initial world "
+                   "size, 2",
+        TRAINED_3: "that is the training with divide_by_initial_world_size=False",
+    }, id="join-divides-by-active-ranks"),
+    pytest.param(COUNTER, answers.COUNTER_SHADOWS_WITH_ONES, {
+        COUNT_2: "rank 0, case 1 of 1 (calls per rank: rank 0: 2, rank 1: 3): count is 6, expected 5 (the ranks "
+                 "taking part in each iteration, summed): that is 2 ranks times 3 iterations, every rank counted "
+                 "in every iteration; a joined rank takes no part: its main_hook all-reduces zeros, not ones",
+        COUNT_3: "count is 9, expected 6",
+    }, id="counter-shadows-with-ones"),
+    # No collective in main_hook does not hang here: Join's own all-reduce of zeros on the joined rank
+    # meets the others' all-reduce of ones, so they count right and only the joined rank misses them.
+    pytest.param(COUNTER, answers.COUNTER_SILENT_MAIN_HOOK, {
+        COUNT_2: "rank 0, case 1 of 1 (calls per rank: rank 0: 2, rank 1: 3): count is 4, expected 5 (the ranks "
+                 "taking part in each iteration, summed): that counts only the 2 iterations this rank took part "
+                 "in; a joined rank's main_hook must all-reduce zeros",
+        COUNT_3: "rank 0, case 1 of 2 (calls per rank: rank 0: 1, rank 1: 3, rank 2: 2): count is 3, expected 6 "
+                 "(the ranks taking part in each iteration, summed): that counts only the 1 iteration this rank",
+    }, id="counter-main-hook-without-collective"),
+    pytest.param(COUNTER, answers.COUNTER_POST_HOOK_FORGETS, {
+        LAST_2: "rank 0, case 1 of 1 (calls per rank: rank 0: 2, rank 1: 3): counter.is_last_joiner is None "
+                "afterwards; post_hook(is_last_joiner) must store it on the counter",
+        LAST_3: "counter.is_last_joiner is None afterwards",
+    }, id="counter-post-hook-forgets"),
+    pytest.param(ZERO, answers.ZERO_NO_CONSOLIDATE, {
+        name: f"rank 0 raised at cell line 8: {NOT_CONSOLIDATED}. Please call `consolidate_state_dict(to=0)` on "
+              "all ranks" for name in (LOADS_2, STATE_2, STATE_3)
+    }, id="zero-not-consolidated"),
+    pytest.param(ZERO, answers.ZERO_SAVES_ON_EVERY_RANK, {
+        name: f"rank 1 raised at cell line 8: {NOT_CONSOLIDATED}" for name in (LOADS_2, STATE_2, STATE_3)
+    }, id="zero-saves-on-every-rank"),
+    pytest.param(ZERO, answers.ZERO_SAVES_LOCAL_SHARD, {
+        LOADS_2: "rank 0, case 1 of 1 (3 Adam steps, 4 rows per rank per step): the file holds the state of 1 of "
+                 "the model's 4 parameters: one rank's shard (optimizer.optim.state_dict()?); call "
+                 "optimizer.consolidate_state_dict(to=0) on every rank, then save optimizer.state_dict() on rank 0",
+        STATE_2: "the file holds the state of 1 of the model's 4 parameters",
+        STATE_3: "rank 0, case 1 of 1 (2 Adam steps, 2 rows per rank per step): the file holds the state of 1 of "
+                 "the model's 4 parameters",
+    }, id="zero-saves-rank-0s-shard"),
+]
+
+
+@pytest.mark.parametrize("exercise_id, source, lost", WRONG)
+def test_wrong_answer_loses_the_right_points_and_says_why(exercise_id, source, lost, ranks):
+    items = check_exercise(exercise(exercise_id), source, ranks=ranks)
+    got = _lost(items)
+    assert sorted(got) == sorted(lost), "\n".join(map(item_line, items))
+    for name, phrase in lost.items():
+        assert phrase in got[name], f"{name}: {got[name]!r} lacks {phrase!r}"
+
+
+HANGS = [
+    # DDP's bucket all-reduce goes through the checker's Python hook, so the ledger names it.
+    pytest.param(JOIN, answers.JOIN_MISSING, [
+        "rank 0 finished your function and waits in the checker's barrier (world group)",
+        "rank 1 is still in your function: it is waiting in all_reduce #3 (176 B, world group)"], id="join-missing"),
+    pytest.param(JOIN, answers.JOIN_DISABLED, [
+        "rank 0 finished your function and waits in the checker's barrier (world group)",
+        "rank 1 is still in your function: it is waiting in all_reduce #3 (176 B, world group)"], id="join-disabled"),
+    # Without the notice, rank 1's last all-reduce of ones meets Join's count of the ranks left on rank 0;
+    # rank 1 then leaves, and rank 0's Join waits for a rank that is gone.
+    pytest.param(COUNTER, answers.COUNTER_NO_NOTIFY, [
+        "rank 0 is still in your function: it is waiting in all_reduce #5 (4 B, world group)",
+        "rank 1 finished your function and waits in the checker's barrier (world group)"], id="counter-no-notify"),
+    # consolidate_state_dict is a collective: rank 0 waits for rank 1's shard, which never comes.
+    pytest.param(ZERO, answers.ZERO_CONSOLIDATE_ON_RANK_0, [
+        "rank 0 is still in your function: it is waiting in broadcast #1 (8 B, world group)",
+        "rank 1 finished your function and waits in the checker's barrier (world group)"],
+        id="zero-consolidates-on-rank-0-only"),
+]
+
+
+@pytest.mark.parametrize("exercise_id, source, phrases", HANGS)
+def test_an_answer_that_hangs_is_stopped_at_its_deadline_naming_the_rank_and_collective(
+        exercise_id, source, phrases, ranks):
+    found = exercise(exercise_id)
+    first_run = dataclasses.replace(found, runs=found.runs[:1])  # 2 ranks
+    items = check_exercise(first_run, source, limits=Limits(run_timeout_s=HANG_S), ranks=ranks)
+    assert [item.score for item in items] == [0] * len(items)
+    for item in items:
+        assert item.message.startswith(f"did not finish within {HANG_S} s on 2 ranks ("), item.message
+        for phrase in phrases:
+            assert phrase in item.message, item.message
