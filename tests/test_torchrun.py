@@ -223,17 +223,25 @@ def test_ranks_run_in_the_given_cwd(exit3_run):
     assert run.result.stdout == {0: f"{workdir}\n", 1: f"{workdir}\n"}
 
 
-def test_sigkilled_rank_is_reported_by_signal():
+def test_sigkilled_rank_is_reported_by_signal(tmp_path):
+    # Rank 1 dies only once rank 0 has printed its PID: the launcher stops rank 0 as soon as rank 1
+    # dies, and a loaded machine once let that happen before rank 0 had printed anything.
     run = launch(
         """
-        import os, signal, time
+        import os, pathlib, signal, time
         print(f"pid {os.getpid()}", flush=True)
-        if os.environ["RANK"] == "1":
+        if os.environ["RANK"] == "0":
+            pathlib.Path("rank0_printed").touch()
+        else:
+            deadline = time.monotonic() + 30
+            while not pathlib.Path("rank0_printed").exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)
         """,
         2,
         timeout_s=60,
+        cwd=str(tmp_path),
     )
     result = run.result
     assert result.exit_codes == {0: -signal.SIGTERM, 1: -signal.SIGKILL}
