@@ -94,7 +94,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 
 def save_full_state_dict(model, path: str) -> None:
-    config = FullStateDictConfig(offload_to_cpu=False, rank0_only=True)
+    on_gpu = next(model.parameters()).is_cuda
+    config = FullStateDictConfig(offload_to_cpu=on_gpu, rank0_only=True)
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
         state = model.state_dict()
     if dist.get_rank() == 0:
@@ -115,6 +116,17 @@ SAVE_EVERY_RANK = SAVE_SOLUTION.replace("    if dist.get_rank() == 0:\n        t
 
 # The local state dict: each rank's FlatParameter shards, not the model's parameters.
 SAVE_LOCAL = SAVE_SOLUTION.replace(
-    "    config = FullStateDictConfig(offload_to_cpu=False, rank0_only=True)\n"
+    "    on_gpu = next(model.parameters()).is_cuda\n"
+    "    config = FullStateDictConfig(offload_to_cpu=on_gpu, rank0_only=True)\n"
     "    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):\n",
     "    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):\n")
+
+# What the lesson's GPU code passes, on the CPU: torch 2.13 frees the gathered parameters before they are read
+# (https://github.com/pytorch/pytorch/issues/188989); a torch with the fix saves the right file.
+SAVE_OFFLOAD_ON_CPU = SAVE_SOLUTION.replace("offload_to_cpu=on_gpu", "offload_to_cpu=True")
+
+# FSDP's clip_grad_norm_ on rank 0 only: it all-reduces the squared norms, and rank 1 never joins.
+CLIP_ON_RANK_0_ONLY = CLIP_SOLUTION.replace(
+    "import torch\n", "import torch\nimport torch.distributed as dist\n", 1).replace(
+    "    return model.clip_grad_norm_(max_norm)\n",
+    "    if dist.get_rank() == 0:\n        return model.clip_grad_norm_(max_norm)\n    return torch.zeros(())\n")

@@ -489,7 +489,17 @@ def fsdp_save(fn: Callable, sizes: dict, weights: dict, steps: list, lr: float, 
     folder = os.path.join(os.getcwd(), f"rank{dist.get_rank()}")
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, file_name)
-    returned = fn(fsdp_model, path)
+    try:
+        returned = fn(fsdp_model, path)
+    except RuntimeError as exc:
+        # NOTE: FullStateDictConfig(offload_to_cpu=True) on a model already on the CPU frees the gathered
+        # parameters before state_dict() reads them (torch 2.13: https://github.com/pytorch/pytorch/issues/188989);
+        # torch's message names only a storage size.
+        if "out of bounds for storage of size 0" not in str(exc):
+            raise
+        raise RuntimeError(f"{str(exc).splitlines()[0]}: FullStateDictConfig(offload_to_cpu=True) on a model on the "
+                           "CPU frees the gathered parameters before they are read (pytorch/pytorch#188989); "
+                           "offload only from a GPU (offload_to_cpu=False here)") from exc
     return {"file": _describe_file(path), "returned": _describe(returned)}
 
 

@@ -234,10 +234,11 @@ def _shard_label(outcome: RunOutcome, case: int) -> str:
 
 
 def _real(outcome: RunOutcome, case: int) -> tuple[dict[int, int], int]:
-    """({rank: elements its shard holds}, padding on the last rank), as FSDP built them."""
+    """({rank: elements its shard holds}, the FlatParameter's padding), as FSDP built them. The padding is
+    summed over the ranks: it sits on the last rank unless it is longer than a shard (5 elements on 4 ranks)."""
     by_rank = outcome.results[case]
     return ({rank: result.output["shard_numel"] for rank, result in by_rank.items()},
-            by_rank[outcome.nproc - 1].output["padding"])
+            sum(result.output["padding"] for result in by_rank.values()))
 
 
 def _shard_hint(got: list[int], numels: list[int], n: int, which: int) -> str:
@@ -270,12 +271,12 @@ def _shard_judge(which: int):
                 if got[which] == expected:
                     continue
                 what = (f"shard numel is {got[0]}, FSDP's shard on rank {rank} holds {expected} elements" if which == 0
-                        else f"padding is {got[1]}, FSDP padded the last rank's shard with {expected}")
+                        else f"padding is {got[1]}, FSDP padded the FlatParameter with {expected}")
                 return [f"{where}: {what}{_shard_hint(got, numels, outcome.nproc, which)}"]
         return []
 
     judge.__doc__ = ("shard_numel's first value equals the numel of the FlatParameter's shard FSDP built on this rank"
-                     if which == 0 else "shard_numel's second value equals the padding FSDP put on the last rank")
+                     if which == 0 else "shard_numel's second value equals the padding FSDP appended to the FlatParameter")
     return judge
 
 
@@ -440,8 +441,8 @@ def _save_case(n: int, weights_seed: int, steps: int, rows: int, batch_seed: int
 
 def _save_label(outcome: RunOutcome, case: int) -> str:
     steps = outcome.inputs[case][0][2]
-    return (f"case {case + 1} of {len(outcome.inputs)} ({len(steps)} SGD steps, {steps[0][0].shape[0]} rows per "
-            "rank per step)")
+    return (f"case {case + 1} of {len(outcome.inputs)} ({len(steps)} SGD step{'s' * (len(steps) != 1)}, "
+            f"{steps[0][0].shape[0]} rows per rank per step)")
 
 
 def _loaded(outcome: RunOutcome, case: int):
@@ -536,7 +537,9 @@ FULL_STATE_DICT = Exercise(
     function="save_full_state_dict",
     signature="save_full_state_dict(model: FullyShardedDataParallel, path: str) -> None",
     driver="fsdp_save",
-    allowed_ops=FSDP1_OPS,
+    # all_gather_object: FSDP's LOCAL and SHARDED state dicts build ShardedTensors, which check their metadata
+    # with it. Allowed, so that an answer using them gets the judges' words on the file, not a refusal.
+    allowed_ops=FSDP1_OPS | {"all_gather_object"},
     preload=FSDP_PRELOAD,
     runs=(
         RunSpec(2, lambda n: [_save_case(n, 46, 2, 4, 146, 1)],
