@@ -130,3 +130,9 @@ CLIP_ON_RANK_0_ONLY = CLIP_SOLUTION.replace(
     "import torch\n", "import torch\nimport torch.distributed as dist\n", 1).replace(
     "    return model.clip_grad_norm_(max_norm)\n",
     "    if dist.get_rank() == 0:\n        return model.clip_grad_norm_(max_norm)\n    return torch.zeros(())\n")
+
+# Only the big Linears: the Blocks are left to the root's unit.
+POLICY_NO_BLOCKS = POLICY_SOLUTION.replace("    if isinstance(module, Block):\n        return True\n", "")
+
+# The sharded state dict: each rank's part of each parameter, as ShardedTensors (for distributed checkpoints).
+SAVE_SHARDED = SAVE_LOCAL.replace("LOCAL_STATE_DICT", "SHARDED_STATE_DICT")
