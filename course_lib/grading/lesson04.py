@@ -1,4 +1,4 @@
-"""Lesson 04's exercises: FSDP1's auto-wrap policy, the FlatParameter's shard size, gradient clipping, a full checkpoint.
+"""Lesson 04's exercises: FSDP1's auto-wrap policy, a FlatParameter's shard size, gradient clipping, a full checkpoint.
 
 Every run wraps a small model in `FullyShardedDataParallel` (FULL_SHARD,
 use_orig_params=False, gloo, `device_id=torch.device("cpu")`) on real ranks.
@@ -141,7 +141,8 @@ def _units_hint(got: list[str], sizes: dict) -> str:
         return (f"{inside[0]} is a Linear inside a Block ({linears[inside[0]][0]} parameters): its Block's unit "
                 f"holds it; wrap a Linear only with at least {MIN_NUMEL} parameters, and Blocks whatever their size")
     if small:
-        return f"{small[0]} has {linears[small[0]][0]} parameters, fewer than {MIN_NUMEL}: leave it to its parent's unit"
+        return (f"{small[0]} has {linears[small[0]][0]} parameters, fewer than {MIN_NUMEL}: leave it to its parent's "
+                "unit")
     blocks = [name for name in missing if name.startswith("blocks.")]
     if blocks:
         return f"{blocks[0]} is a Block: every Block must be a unit of its own (isinstance(module, Block))"
@@ -276,7 +277,7 @@ def _shard_judge(which: int):
         return []
 
     judge.__doc__ = ("shard_numel's first value equals the numel of the FlatParameter's shard FSDP built on this rank"
-                     if which == 0 else "shard_numel's second value equals the padding FSDP appended to the FlatParameter")
+                     if which == 0 else "shard_numel's second value equals the padding FSDP appended to it")
     return judge
 
 
