@@ -30,9 +30,10 @@ class UnknownExercise(KeyError):
 @functools.cache
 def public_exercises() -> types.MappingProxyType:
     """{id: Exercise} of every lesson, built once per process (read-only: shared by every lookup)."""
-    from . import lesson01, lesson02, lesson03
+    from . import lesson01, lesson02, lesson03, lesson04
 
-    return types.MappingProxyType({**lesson01.EXERCISES, **lesson02.EXERCISES, **lesson03.EXERCISES})
+    return types.MappingProxyType({**lesson01.EXERCISES, **lesson02.EXERCISES, **lesson03.EXERCISES,
+                                    **lesson04.EXERCISES})
 
 
 def load_hidden(directory: str | pathlib.Path) -> dict[str, tuple[RunSpec, ...]]:

@@ -1,0 +1,369 @@
+"""Lesson 04's exercises, graded on real gloo ranks: the solution scores full marks, the stub
+zero with its hint (shown once per report), and each plausible wrong answer loses exactly the points
+its mistake deserves, with a message that names the rank, the case and what is wrong; an answer that
+hangs is stopped at its deadline with the rank and the collective it waits in.
+
+One set of grading ranks serves the whole module (as the grader gives one to a submission): it is
+started once, forked from a server that has imported torch.distributed.fsdp, and restarted only
+after a run that failed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+import re
+
+import nbformat
+import pytest
+
+import grading_answers_04 as answers
+from course_lib import theory
+from course_lib.grading.authoring import BEGIN_LINE
+from course_lib.grading.cells import EXERCISE_ID, exercise_cells
+from course_lib.grading.checker import check_exercise, preload_for, rank_set_for
+from course_lib.grading.gradescope import results_json
+from course_lib.grading.lesson04 import (
+    ATOL, LR, MIN_NUMEL, RTOL, WRAP_A, WRAP_B, _linears, clip_reference, expected_units, flat_shard)
+from course_lib.grading.registry import exercise, exercises_of_lesson
+from course_lib.grading.report import item_line
+from course_lib.grading.spec import Limits
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOK = "04_fsdp1.ipynb"
+SOLUTIONS = exercise_cells(nbformat.read(ROOT / "solutions" / NOTEBOOK, as_version=4))
+STUBS = exercise_cells(nbformat.read(ROOT / "exercises" / NOTEBOOK, as_version=4))
+IDS = exercises_of_lesson("04")
+POLICY, SHARD, CLIP, SAVE = IDS
+HANG_S = 4  # the deadline of a run that hangs: long enough for the FSDP training before the hang
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    with rank_set_for([exercise(i) for i in IDS]) as shared:
+        yield shared
+
+
+def _markdown(notebook: str) -> list[str]:
+    nb = nbformat.read(ROOT / notebook / NOTEBOOK, as_version=4)
+    return [cell.source for cell in nb.cells if cell.cell_type == "markdown"]
+
+
+def _sections(notebook: str) -> dict[str, str]:
+    """{exercise id: the markdown from its "## <id>: ..." heading to the next heading}."""
+    sections, current = {}, None
+    for text in _markdown(notebook):
+        heading = re.match(r"## (\S+):", text)
+        if text.startswith("#"):
+            current = heading.group(1) if heading else None
+        if current:
+            sections[current] = sections.get(current, "") + text + "\n"
+    return sections
+
+
+@pytest.mark.parametrize("notebook", ["solutions", "exercises"])
+def test_the_notebook_lists_exactly_the_exercises_graded(notebook):
+    assert IDS == ["04.wrap_policy", "04.flat_shard_numel", "04.clip_grad_norm", "04.full_state_dict"]
+    cells = exercise_cells(nbformat.read(ROOT / notebook / NOTEBOOK, as_version=4))
+    assert list(cells) == IDS  # the %%exercise cells, in the registry's order
+    markdown = "\n".join(_markdown(notebook))
+    assert re.findall(r"^\d+\. `(\S+)`", markdown, re.M) == IDS  # the list under Goal
+    assert list(_sections(notebook)) == IDS
+    named = set(re.findall(rf"\b{EXERCISE_ID.pattern}\b", markdown))
+    assert named <= set(IDS), f"the text names exercises nobody grades: {sorted(named - set(IDS))}"
+    assert "(../notebooks/04_fsdp1.ipynb)" in markdown  # the lesson it practises
+
+
+def _and(words: list[str]) -> str:
+    """["a", "b", "c"] -> "a, b and c"."""
+    return ", ".join(words[:-1]) + f" and {words[-1]}"
+
+
+def _linear_phrases(sizes: dict) -> list[str]:
+    """"`stem.0 = Linear(9, 100)` (exactly 1000 parameters)": each Linear outside the Blocks, as the text says it."""
+    from course_lib.grading.drivers import wrap_model
+
+    modules = dict(wrap_model(sizes).named_modules())
+    phrases = []
+    for name, (numel, inside) in _linears(sizes).items():
+        if not inside:
+            linear = modules[name]
+            count = f"exactly {numel} parameters" if numel == MIN_NUMEL else str(numel)
+            phrases.append(f"`{name} = Linear({linear.in_features}, {linear.out_features})` ({count})")
+    return phrases
+
+
+def _case_phrases(exercise_id: str, case: dict) -> list[str]:
+    """What the text must say about one case (the world size is checked apart)."""
+    n = len(case)
+    if exercise_id == POLICY:
+        sizes, rows = case[0][0], case[0][2].shape[0]
+        units = ["the root"] + [f"`{name}`" for name in expected_units(sizes) if name]
+        return [f"{sizes['layers']} Blocks", *_linear_phrases(sizes), f"the units are {_and(units)}",
+                f"this rank's {rows} rows"]
+    if exercise_id == SHARD:
+        numels = [math.prod(shape) for shape in case[0][0]]
+        return [f"{numels}` ({sum(numels)} elements)"]
+    if exercise_id == CLIP:
+        _, weights, inputs, targets, max_norm = case[0]
+        rows = inputs.shape[0]
+        whole = [case[r][2] for r in range(n)], [case[r][3] for r in range(n)]
+        import torch
+
+        norm, _ = clip_reference(weights, torch.cat(whole[0]), torch.cat(whole[1]), max_norm)
+        clipped = "(clipped" if norm > max_norm else "(not clipped"
+        return [f"{rows} rows per rank", f"batch of {n * rows}", f"`max_norm={max_norm:g}` {clipped}"]
+    steps, rows = len(case[0][2]), case[0][2][0][0].shape[0]
+    return [f"{steps} step{'s' * (steps != 1)} of {rows} rows per rank", f"of {n * rows} rows"]
+
+
+def _power(tolerance: float) -> str:
+    """A tolerance as the text writes it: 1e-05 -> "1e-5"."""
+    return f"{tolerance:.0e}".replace("e-0", "e-")
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_each_exercise_states_its_deadline_cases_and_allowed_calls(exercise_id):
+    """What the checks enforce (lesson04.py, rank_runner's blocked calls), as the learner reads it."""
+    text, found = _sections("solutions")[exercise_id], exercise(exercise_id)
+    assert f"**Graded on** {len(found.runs)} runs" in text
+    for run in found.runs:
+        assert f"deadline of {run.timeout_s:g} s" in text
+        assert f"{run.nproc} ranks" in text
+        for case in run.make_inputs(run.nproc):
+            for phrase in _case_phrases(exercise_id, case):
+                assert phrase in text, f"{exercise_id}: no {phrase!r}"
+    if exercise_id in (POLICY, CLIP, SAVE):
+        assert f"rtol {_power(RTOL)} and atol {_power(ATOL)}" in text
+    if exercise_id in (POLICY, SAVE):
+        assert f"lr {LR:g}" in text
+    if exercise_id == POLICY:
+        assert f"`MIN_NUMEL = {MIN_NUMEL}`" in text and f"nonwrapped_numel >= MIN_NUMEL" in text
+    if exercise_id == CLIP:
+        assert "relative 1e-4" in text and "max_norm / (norm + 1e-6)" in text
+    for op in sorted(found.allowed_ops):
+        assert f"`dist.{op}`" in text
+    assert "collective or point-to-point call raises inside the check" in text
+    assert "`dist.get_rank()`" in text  # not a communication: never blocked
+
+
+def test_the_shard_reference_is_fsdp1s_layout_in_theory():
+    """flat_shard (the checker's words) and cl.theory's FlatParameter layout agree, padding across ranks included."""
+    for world in range(1, 6):
+        for numels in ([1], [5], [24, 6, 12, 2], [104, 13, 65, 5], [9, 16, 5], [42, 1], [3, 3, 3, 3]):
+            shards = theory.fsdp1_flat_shards([(f"p{i}", k) for i, k in enumerate(numels)], world)
+            shard, padding = flat_shard(numels, world)
+            assert {s.shard_numel for s in shards} == {shard}, (numels, world)
+            assert sum(s.padding for s in shards) == padding == shard * world - sum(numels), (numels, world)
+    assert flat_shard([5], 4) == (2, 3) and theory.fsdp1_flat_shards([("p", 5)], 4)[2].padding == 1  # on 2 ranks
+
+
+def test_the_policy_cases_sit_on_the_boundary():
+    """stem.0 has exactly MIN_NUMEL parameters in one case and one fewer in the other: `>` and `>=` differ."""
+    assert _linears(WRAP_A)["stem.0"] == (MIN_NUMEL, False) and _linears(WRAP_B)["stem.0"] == (MIN_NUMEL - 1, False)
+    assert "stem.0" in expected_units(WRAP_A) and "stem.0" not in expected_units(WRAP_A, strictly_more=True)
+    assert all(numel < MIN_NUMEL for numel, inside in _linears(WRAP_B).values() if inside)
+
+
+def test_the_exercises_fork_their_ranks_with_fsdp_imported(ranks):
+    """FSDP's package is about 130 modules (0.8 s a process): the server imports it once, before forking."""
+    assert preload_for([exercise(i) for i in IDS]) == ("torch.distributed.fsdp",)
+    found = exercise(SHARD)
+    cell = answers.SHARD_SOLUTION.replace(
+        "def shard_numel", "import sys\n\nassert 'torch.distributed.fsdp' in sys.modules, 'not preloaded'\n\n\n"
+        "def shard_numel", 1)
+    items = check_exercise(dataclasses.replace(found, runs=found.runs[:1]), cell, ranks=ranks)
+    assert all(item.passed for item in items), "\n".join(map(item_line, items))
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_solution_scores_full_marks(exercise_id, ranks):
+    items = check_exercise(exercise(exercise_id), SOLUTIONS[exercise_id], ranks=ranks)
+    assert all(item.passed for item in items), "\n".join(map(item_line, items))
+    assert sum(item.score for item in items) == exercise(exercise_id).points > 0
+
+
+def _hints(answer_cell: str) -> list[str]:
+    """The hints on the solution cell's `### BEGIN SOLUTION hint: ...` lines (what its stubs raise)."""
+    return [m.group(1) for line in answer_cell.splitlines() if (m := BEGIN_LINE.fullmatch(line.strip()))]
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_stub_scores_zero_and_says_what_to_write_once(exercise_id, ranks):
+    items = check_exercise(exercise(exercise_id), STUBS[exercise_id], ranks=ranks)
+    assert sum(item.score for item in items) == 0
+    (hint,) = _hints(SOLUTIONS[exercise_id])  # one answer region per cell
+    for item in items:
+        assert f"NotImplementedError: this part of {exercise_id} is not written yet" in item.message, item.message
+        assert item.message.startswith("rank "), item.message  # names the rank that raised
+        assert hint not in item.message and item.hint == hint
+    shown: set[str] = set()
+    report = "\n".join(item_line(item, shown) for item in items)
+    assert report.count(hint) == 1 and report.count("hint: ") == 1, report
+    tests = results_json({exercise_id: items}, extra={})["tests"]
+    assert [hint in test["output"] for test in tests] == [True] + [False] * (len(tests) - 1)
+
+
+def _lost(items) -> dict[str, str]:
+    return {item.name: item.message for item in items if not item.passed}
+
+
+UNITS_2, UNITS_3 = ("the FSDP units: the root, each Block, stem.0 with exactly 1000 parameters (2 ranks)",
+                    "the FSDP units: the root, each Block, the head with 1080 parameters (3 ranks)")
+NUMEL_2, PAD_2, NUMEL_3, PAD_3 = (
+    "the shard's numel equals FSDP's on every rank (2 ranks: 44 and 187 elements)",
+    "the padding equals FSDP's (2 ranks: 44 and 187 elements)",
+    "the shard's numel equals FSDP's on every rank (3 ranks: 44, 30 and 43 elements)",
+    "the padding equals FSDP's (3 ranks: 44, 30 and 43 elements)")
+NORM_2, GRADS_2, NORM_3, GRADS_3 = (
+    "returns the total gradient norm on every rank (2 ranks)",
+    "every rank's gradient shards are clipped by it (2 ranks)",
+    "returns the total gradient norm on every rank (3 ranks, clipped and not)",
+    "every rank's gradient shards are clipped by it (3 ranks, clipped and not)")
+LOADS_2, PARAMS_2, RANK_0_ONLY_2, PARAMS_3 = (
+    "rank 0's file loads into the plain model with strict=True (2 ranks)",
+    "its parameters equal one process's after 2 SGD steps on the whole batch (2 ranks)",
+    "no other rank writes a file (2 ranks)",
+    "its parameters equal one process's after 1 SGD step on the whole batch (3 ranks)")
+CASE_A = "rank 0, case 1 of 1 (2 Blocks, stem.0 Linear(9, 100), head Linear(8, 5)): the FSDP units are "
+CASE_B = "rank 0, case 1 of 1 (3 Blocks, stem.0 Linear(26, 37), head Linear(8, 120)): the FSDP units are "
+SHARD_187 = "rank 0, case 2 of 2 (param_numels=[104, 13, 65, 5], 187 elements, world_size=2): "
+LOCAL_FILE = ("the file holds FSDP's flat parameters (_flat_param, blocks.0._flat_param, blocks.1._flat_param: a "
+              "LOCAL_STATE_DICT); use StateDictType.FULL_STATE_DICT")
+SHARDED_FILE = "the file holds ShardedTensor values, not plain tensors (a SHARDED_STATE_DICT?)"
+
+# A wrong policy still trains right (FSDP's units change the communication, not the result): it loses the
+# units' points only. A wrong save loses what its file gets wrong, and keeps "no other rank writes" if it can.
+WRONG = [
+    pytest.param(POLICY, answers.POLICY_NO_RECURSE, {
+        UNITS_2: CASE_A + "[''], expected ['', 'stem.0', 'blocks.0', 'blocks.1']: only the root is a unit: FSDP "
+                          "first asks the policy with recurse=True whether to look inside a module",
+        UNITS_3: CASE_B + "[''], expected ['', 'blocks.0', 'blocks.1', 'blocks.2', 'head']: only the root",
+    }, id="policy-without-recurse"),
+    pytest.param(POLICY, answers.POLICY_EVERY_LINEAR, {
+        UNITS_2: CASE_A + "['', 'stem.0', 'stem.2', 'blocks.0', 'blocks.0.up', 'blocks.0.down', 'blocks.1', "
+                          "'blocks.1.up', 'blocks.1.down', 'head'], expected ['', 'stem.0', 'blocks.0', 'blocks.1']: "
+                          "blocks.0.up is a Linear inside a Block (117 parameters): its Block's unit holds it",
+        UNITS_3: "blocks.0.up is a Linear inside a Block (117 parameters)",
+    }, id="policy-every-linear"),
+    # Only the 2-rank case has a Linear of exactly MIN_NUMEL parameters: the 3-rank case passes.
+    pytest.param(POLICY, answers.POLICY_STRICTLY_MORE, {
+        UNITS_2: CASE_A + "['', 'blocks.0', 'blocks.1'], expected ['', 'stem.0', 'blocks.0', 'blocks.1']: stem.0 "
+                          "has exactly 1000 parameters: 'at least' is nonwrapped_numel >= MIN_NUMEL, not >",
+    }, id="policy-more-than"),
+    pytest.param(POLICY, answers.POLICY_NO_BLOCKS, {
+        UNITS_2: CASE_A + "['', 'stem.0'], expected ['', 'stem.0', 'blocks.0', 'blocks.1']: blocks.0 is a Block: "
+                          "every Block must be a unit of its own",
+        UNITS_3: CASE_B + "['', 'head'], expected ['', 'blocks.0', 'blocks.1', 'blocks.2', 'head']: blocks.0 is a "
+                          "Block",
+    }, id="policy-without-blocks"),
+    # 44 elements on 2 ranks divide evenly: floor division is right there; 187 is where it fails.
+    pytest.param(SHARD, answers.SHARD_FLOOR, {
+        NUMEL_2: SHARD_187 + "shard numel is 93, FSDP's shard on rank 0 holds 94 elements: that is floor division "
+                             "(187 // 2); FSDP1 pads the FlatParameter to a multiple of the world size",
+        PAD_2: SHARD_187 + "padding is 0, FSDP padded the FlatParameter with 1: that is floor division",
+        NUMEL_3: "rank 0, case 1 of 3 (param_numels=[24, 6, 12, 2], 44 elements, world_size=3): shard numel is 14, "
+                 "FSDP's shard on rank 0 holds 15 elements: that is floor division (44 // 3)",
+        PAD_3: "padding is 0, FSDP padded the FlatParameter with 1",
+    }, id="shard-floor-division"),
+    pytest.param(SHARD, answers.SHARD_PER_PARAMETER, {
+        NUMEL_2: SHARD_187 + "shard numel is 95, FSDP's shard on rank 0 holds 94 elements: that pads each parameter "
+                             "to a multiple of the world size; FSDP1 flattens the unit's parameters into one "
+                             "FlatParameter first and pads that once, at its end",
+        PAD_2: SHARD_187 + "padding is 3, FSDP padded the FlatParameter with 1: that pads each parameter",
+        NUMEL_3: "rank 0, case 2 of 3 (param_numels=[9, 16, 5], 30 elements, world_size=3): shard numel is 11, "
+                 "FSDP's shard on rank 0 holds 10 elements: that pads each parameter",
+        PAD_3: "padding is 3, FSDP padded the FlatParameter with 0: that pads each parameter",
+    }, id="shard-pads-each-parameter"),
+    # The shard is right; only the padding of a total that divides evenly is wrong.
+    pytest.param(SHARD, answers.SHARD_PADS_WHEN_EVEN, {
+        PAD_2: "rank 0, case 1 of 2 (param_numels=[24, 6, 12, 2], 44 elements, world_size=2): padding is 2, FSDP "
+               "padded the FlatParameter with 0: 44 divides evenly by 2, so there is no padding",
+        PAD_3: "rank 0, case 2 of 3 (param_numels=[9, 16, 5], 30 elements, world_size=3): padding is 3, FSDP padded "
+               "the FlatParameter with 0: 30 divides evenly by 3",
+    }, id="shard-pads-when-even"),
+    pytest.param(CLIP, answers.CLIP_LOCAL, {
+        NORM_2: "rank 0, case 1 of 1 (max_norm=0.5, batch of 8 split over 2 ranks): the norm is 1.2341, expected "
+                "1.57306 (all gradients, every rank's shard): that is the norm of this rank's shard only "
+                "(torch.nn.utils.clip_grad_norm_ over model.parameters() sees the local FlatParameter shards); use "
+                "model.clip_grad_norm_(max_norm)",
+        GRADS_2: "rank 0, case 1 of 1 (max_norm=0.5, batch of 8 split over 2 ranks): this rank's shard of "
+                 "head.weight's gradient (elements 0 to 22) element 0 is -0.0644209, expected -0.0505395: clipped by "
+                 "another norm than the total, 1.57306",
+        NORM_3: "rank 0, case 1 of 2 (max_norm=0.3, batch of 6 split over 3 ranks): the norm is 1.10533, expected "
+                "1.78757 (all gradients, every rank's shard): that is the norm of this rank's shard only",
+        GRADS_3: "clipped by another norm than the total, 1.78757",
+    }, id="clip-with-torch-nn-utils"),
+    pytest.param(CLIP, answers.CLIP_SUMS_NORMS, {
+        NORM_2: "rank 0, case 1 of 1 (max_norm=0.5, batch of 8 split over 2 ranks): the norm is 2.20956, expected "
+                "1.57306 (all gradients, every rank's shard): that is the sum of the ranks' shard norms; all-reduce "
+                "the sum of squares, then take the square root",
+        GRADS_2: "clipped by another norm than the total, 1.57306",
+        NORM_3: "the norm is 3.09203, expected 1.78757 (all gradients, every rank's shard): that is the sum of the "
+                "ranks' shard norms",
+        GRADS_3: "clipped by another norm than the total, 1.78757",
+    }, id="clip-sums-the-norms"),
+    pytest.param(SAVE, answers.SAVE_EVERY_RANK, {
+        RANK_0_ONLY_2: "rank 1, case 1 of 1 (2 SGD steps, 4 rows per rank per step): this rank saved a file holding "
+                       "an empty dict: with rank0_only=True only rank 0's state_dict() holds the parameters",
+    }, id="save-on-every-rank"),
+    pytest.param(SAVE, answers.SAVE_LOCAL, {
+        LOADS_2: "rank 0, case 1 of 1 (2 SGD steps, 4 rows per rank per step): " + LOCAL_FILE,
+        PARAMS_2: LOCAL_FILE,
+        PARAMS_3: "rank 0, case 1 of 1 (1 SGD step, 2 rows per rank per step): " + LOCAL_FILE,
+    }, id="save-local-state-dict"),
+    pytest.param(SAVE, answers.SAVE_SHARDED, {
+        LOADS_2: "rank 0, case 1 of 1 (2 SGD steps, 4 rows per rank per step): " + SHARDED_FILE,
+        PARAMS_2: SHARDED_FILE,
+        PARAMS_3: "rank 0, case 1 of 1 (1 SGD step, 2 rows per rank per step): " + SHARDED_FILE,
+    }, id="save-sharded-state-dict"),
+]
+
+
+@pytest.mark.parametrize("exercise_id, source, lost", WRONG)
+def test_wrong_answer_loses_the_right_points_and_says_why(exercise_id, source, lost, ranks):
+    items = check_exercise(exercise(exercise_id), source, ranks=ranks)
+    got = _lost(items)
+    assert sorted(got) == sorted(lost), "\n".join(map(item_line, items))
+    for name, phrase in lost.items():
+        assert phrase in got[name], f"{name}: {got[name]!r} lacks {phrase!r}"
+
+
+def test_offload_to_cpu_on_a_cpu_model_is_named_or_works(ranks):
+    """FullStateDictConfig(offload_to_cpu=True), as on a GPU: torch 2.13 frees the gathered parameters of a model
+    on the CPU before state_dict() reads them (pytorch/pytorch#188989), and the report says why in torch's
+    words and the checker's; a torch with the fix saves the right file."""
+    items = check_exercise(exercise(SAVE), answers.SAVE_OFFLOAD_ON_CPU, ranks=ranks)
+    if all(item.passed for item in items):
+        return
+    for item in items:
+        assert item.score == 0 and item.message.startswith("rank 0 raised at cell line "), item.message
+        assert "out of bounds for storage of size 0: FullStateDictConfig(offload_to_cpu=True) on a model on the " \
+               "CPU frees the gathered parameters" in item.message, item.message
+
+
+HANGS = [
+    # FSDP's clip_grad_norm_ all-reduces the squared norms: rank 1 never calls it.
+    pytest.param(CLIP, answers.CLIP_ON_RANK_0_ONLY, [
+        "rank 0 is still in your function: it is waiting in all_reduce #1 (4 B, world group)",
+        "rank 1 finished your function and waits in the checker's barrier (world group)"], id="clip-on-rank-0-only"),
+    # state_dict() all-gathers every unit, the root's first (its 45 parameters padded to 46: 23 floats a rank).
+    pytest.param(SAVE, answers.SAVE_ON_RANK_0_ONLY, [
+        "rank 0 is still in your function: it is waiting in all_gather #1 (92 B, world group)",
+        "rank 1 finished your function and waits in the checker's barrier (world group)"],
+        id="state-dict-on-rank-0-only"),
+]
+
+
+@pytest.mark.parametrize("exercise_id, source, phrases", HANGS)
+def test_an_answer_that_hangs_is_stopped_at_its_deadline_naming_the_rank_and_collective(
+        exercise_id, source, phrases, ranks):
+    found = exercise(exercise_id)
+    first_run = dataclasses.replace(found, runs=found.runs[:1])  # 2 ranks
+    items = check_exercise(first_run, source, limits=Limits(run_timeout_s=HANG_S), ranks=ranks)
+    assert [item.score for item in items] == [0] * len(items)
+    for item in items:
+        assert item.message.startswith(f"did not finish within {HANG_S} s on 2 ranks ("), item.message
+        for phrase in phrases:
+            assert phrase in item.message, item.message
