@@ -12,6 +12,7 @@ import nbformat
 import pytest
 
 import grading_answers as answers
+from exercise_notebooks import exercise_sections, markdown_cells
 from test_magic_kernel import Kernel
 from course_lib.grading.authoring import BEGIN_LINE
 from course_lib.grading.cells import EXERCISE_ID, exercise_cells
@@ -27,20 +28,11 @@ IDS = exercises_of_lesson("01")
 
 
 def _markdown(notebook: str) -> list[str]:
-    nb = nbformat.read(ROOT / notebook / "01_process_groups.ipynb", as_version=4)
-    return [cell.source for cell in nb.cells if cell.cell_type == "markdown"]
+    return markdown_cells(notebook, "01_process_groups.ipynb")
 
 
 def _sections(notebook: str) -> dict[str, str]:
-    """{exercise id: the markdown from its "## <id>: ..." heading to the next heading}."""
-    sections, current = {}, None
-    for text in _markdown(notebook):
-        heading = re.match(r"## (\S+):", text)
-        if text.startswith("#"):
-            current = heading.group(1) if heading else None
-        if current:
-            sections[current] = sections.get(current, "") + text + "\n"
-    return sections
+    return exercise_sections(notebook, "01_process_groups.ipynb")
 
 
 @pytest.mark.parametrize("notebook", ["solutions", "exercises"])

@@ -16,6 +16,7 @@ import nbformat
 import pytest
 
 import grading_answers_02 as answers
+from exercise_notebooks import exercise_sections, markdown_cells
 from course_lib.grading.authoring import BEGIN_LINE
 from course_lib.grading.cells import EXERCISE_ID, exercise_cells
 from course_lib.grading.checker import check_exercise, preload_for, rank_set_for
@@ -39,20 +40,11 @@ def ranks():
 
 
 def _markdown(notebook: str) -> list[str]:
-    nb = nbformat.read(ROOT / notebook / NOTEBOOK, as_version=4)
-    return [cell.source for cell in nb.cells if cell.cell_type == "markdown"]
+    return markdown_cells(notebook, NOTEBOOK)
 
 
 def _sections(notebook: str) -> dict[str, str]:
-    """{exercise id: the markdown from its "## <id>: ..." heading to the next heading}."""
-    sections, current = {}, None
-    for text in _markdown(notebook):
-        heading = re.match(r"## (\S+):", text)
-        if text.startswith("#"):
-            current = heading.group(1) if heading else None
-        if current:
-            sections[current] = sections.get(current, "") + text + "\n"
-    return sections
+    return exercise_sections(notebook, NOTEBOOK)
 
 
 @pytest.mark.parametrize("notebook", ["solutions", "exercises"])

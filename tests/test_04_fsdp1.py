@@ -19,6 +19,7 @@ import nbformat
 import pytest
 
 import grading_answers_04 as answers
+from exercise_notebooks import exercise_sections, markdown_cells
 from course_lib import theory
 from course_lib.grading.authoring import BEGIN_LINE
 from course_lib.grading.cells import EXERCISE_ID, exercise_cells
@@ -46,20 +47,11 @@ def ranks():
 
 
 def _markdown(notebook: str) -> list[str]:
-    nb = nbformat.read(ROOT / notebook / NOTEBOOK, as_version=4)
-    return [cell.source for cell in nb.cells if cell.cell_type == "markdown"]
+    return markdown_cells(notebook, NOTEBOOK)
 
 
 def _sections(notebook: str) -> dict[str, str]:
-    """{exercise id: the markdown from its "## <id>: ..." heading to the next heading}."""
-    sections, current = {}, None
-    for text in _markdown(notebook):
-        heading = re.match(r"## (\S+):", text)
-        if text.startswith("#"):
-            current = heading.group(1) if heading else None
-        if current:
-            sections[current] = sections.get(current, "") + text + "\n"
-    return sections
+    return exercise_sections(notebook, NOTEBOOK)
 
 
 @pytest.mark.parametrize("notebook", ["solutions", "exercises"])
@@ -139,7 +131,7 @@ def test_each_exercise_states_its_deadline_cases_and_allowed_calls(exercise_id):
     if exercise_id in (POLICY, SAVE):
         assert f"lr {LR:g}" in text
     if exercise_id == POLICY:
-        assert f"`MIN_NUMEL = {MIN_NUMEL}`" in text and f"nonwrapped_numel >= MIN_NUMEL" in text
+        assert f"`MIN_NUMEL = {MIN_NUMEL}`" in text and "nonwrapped_numel >= MIN_NUMEL" in text
     if exercise_id == CLIP:
         assert "relative 1e-4" in text and "max_norm / (norm + 1e-6)" in text
     for op in sorted(found.allowed_ops):
