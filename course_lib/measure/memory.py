@@ -90,23 +90,29 @@ def _exact(model: Any, optimizer: Any, strategy: str) -> dict[str, int]:
         # The padded shard (`_sharded_param_data`) backs the DTensor: count it, padding included.
         shards = [fp.sharded_param for fp in _fsdp2_params(model)]
         gathered = [fp._unsharded_param for fp in _fsdp2_params(model) if hasattr(fp, "_unsharded_param")]
+        # reshard_after_forward=<int>: after forward each parameter is kept sharded over fewer ranks,
+        # in a tensor FSDP2 allocates during forward (torch's tracker files it under activations).
+        post_forward = [fp._sharded_post_forward_param_data for fp in _fsdp2_params(model)
+                        if getattr(fp, "_sharded_post_forward_param_data", None) is not None]
     else:
         params = list(model.parameters())
         # FSDP1: the FlatParameter may point at the gathered flat tensor; its shard stays in _local_shard.
         shards = [getattr(p, "_local_shard", p) for p in params]
         gathered = [p._full_param_padded for p in params if hasattr(p, "_full_param_padded")]
+        post_forward = []
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard's optimizer here
     states = [v for state in inner.state.values() for v in state.values() if hasattr(v, "untyped_storage")]
-    buffers = _storage_bytes(gathered)
+    buffers = _storage_bytes(gathered) + _storage_bytes(post_forward)
     if strategy in ("ddp", "zero1") and hasattr(model, "_get_ddp_logging_data") \
             and not model.gradient_as_bucket_view:
         # DDP's reducer allocates its buckets in C++; it records their sizes in bytes.
         buffers += sum(int(n) for n in re.findall(r"\d+", str(model._get_ddp_logging_data().get("bucket_sizes", ""))))
     grads = [p.grad for p in (model.parameters() if strategy != "fsdp2" else shards)]
     # The rounding torch's tracker adds to these storages on CUDA (not in the exact counts): see measure_step.
-    sizes = [n for tensors in (shards, grads, states, gathered) for n in _storages(tensors).values()]
+    sizes = [n for tensors in (shards, grads, states, gathered, post_forward) for n in _storages(tensors).values()]
     return {"parameters": _storage_bytes(shards), "gradients": _storage_bytes(grads),
-            "optimizer": _storage_bytes(states), "buffers": buffers, "rounding": allocator_rounding(sizes)}
+            "optimizer": _storage_bytes(states), "buffers": buffers, "rounding": allocator_rounding(sizes),
+            "seen_as_activations": _storage_bytes(post_forward)}
 
 
 def _tracker_snapshot(tracker: Any, kind: str = "current") -> dict[str, int]:
@@ -187,11 +193,13 @@ def measure_step(model: Any, optimizer: Any, batch: tuple, loss_fn: Callable, *,
     def record(phase: str) -> None:
         exact = _exact(model, optimizer, strategy)
         block_rounding = exact.pop("rounding")
+        relabelled = exact.pop("seen_as_activations")  # counted in "buffers" above, not twice
         rounding[phase] = block_rounding if cuda else 0
         raw[phase] = _tracker_snapshot(tracker)
         seen = _categories(raw[phase], strategy, exact["parameters"])
-        named = sum(exact.values()) + seen["activations"] + rounding[phase]
-        phases[phase] = {**exact, "activations": seen["activations"], "other": max(0, seen["total"] - named)}
+        activations = max(0, seen["activations"] - relabelled)
+        named = sum(exact.values()) + activations + rounding[phase]
+        phases[phase] = {**exact, "activations": activations, "other": max(0, seen["total"] - named)}
         if cuda:
             torch.cuda.synchronize(device)
             allocated[phase] = torch.cuda.memory_allocated(device)
