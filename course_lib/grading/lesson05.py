@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 
+from ..theory import chunk_sizes, fsdp2_padded_shard_numel
 from ..vocabulary import data_flow
 from .compare import first_difference
 from .lesson04 import ATOL, LR, RTOL, _batch, _weights, sgd_reference
@@ -29,22 +30,25 @@ __all__ = ["ATOL", "EXERCISES", "FSDP2_OPS", "LR", "RTOL", "all_gather_elements"
 
 # What fully_shard calls: on CPU with torch 2.13 and 2.15 the *_single forms; elsewhere their older spellings.
 FSDP2_OPS = frozenset({"all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single"})
-FSDP2_PRELOAD = ("torch.distributed.fsdp",)  # fully_shard, DTensor and DeviceMesh: about 0.8 s a process
+# fully_shard, DTensor and DeviceMesh (about 0.8 s a process), and torch._dynamo, which the first fully_shard
+# imports (2.4 s for 2 ranks at once on 2 cores, 215 modules).
+FSDP2_PRELOAD = ("torch._dynamo", "torch.distributed.fsdp")
 TOY_2 = {"dim": 8, "hidden": 13, "layers": 2, "out": 5}  # ToyModel's defaults: 503 parameters
 TOY_3 = {"dim": 8, "hidden": 13, "layers": 3, "out": 5}  # on 4 ranks: the head's 5 rows are 2, 2, 1 and 0
 
 
 def shard_rows(rows: int, world_size: int, rank: int) -> tuple[int, int]:
     """[start, stop) of the dim-0 rows FSDP2 gives `rank` of a parameter with `rows` rows: torch.chunk's
-    pieces, ceil(rows / world_size) each, the last ones shorter or empty."""
-    size = -(-rows // world_size)
-    start = min(rank * size, rows)
-    return start, min(start + size, rows)
+    pieces, ceil(rows / world_size) each, the last ones shorter or empty (theory.chunk_sizes)."""
+    sizes = chunk_sizes(rows, world_size)
+    start = min(rank * sizes[0], rows)
+    return start, start + sizes[rank]
 
 
 def all_gather_elements(shapes: list, world_size: int) -> int:
-    """Elements one rank hands to a group's all-gather: each parameter's shard padded to ceil(rows / N) rows."""
-    return sum(-(-shape[0] // world_size) * math.prod(shape[1:]) for shape in shapes)
+    """Elements one rank hands to a group's all-gather: each parameter's shard padded to ceil(rows / N) rows
+    (theory.fsdp2_padded_shard_numel)."""
+    return sum(fsdp2_padded_shard_numel(tuple(shape), world_size) for shape in shapes)
 
 
 def _rows(count: int) -> str:
