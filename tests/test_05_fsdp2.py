@@ -226,7 +226,7 @@ MESH_OF_2 = (" raised at cell line 10: RuntimeError: IndexError: list index out 
              "2 of the 4 ranks (rank ", " is not in it); FSDP's 1-D mesh holds every rank: "
              "init_device_mesh('cpu', (dist.get_world_size(),)), not a size written in the code")
 ALL_REDUCE = ("all_reduce of {} B = {} floats: every rank receives the whole gradient and keeps only its rows of it; "
-              "reduce-scatter (dist.reduce_scatter_tensor) sends each rank only its rows")
+              "reduce-scatter (dist.reduce_scatter_tensor) gives each rank only its rows, with half the traffic")
 NEVER_ON = ("the parameter did not change, so no gradient reached this rank's shard: FSDP reduce-scatters only in a "
             "backward with gradient sync on")
 NO_SCATTER = ("gradient sync stayed off, so nothing reached the shards; turn it back on "

@@ -309,8 +309,9 @@ def _zero3_traffic(outcome: RunOutcome) -> list[str]:
             reduced = [e for flow, e in flows if flow == "all_reduce"]
             if reduced:
                 return [f"{where}: all_reduce of {_floats(reduced[0]['bytes'])}: every rank receives the whole "
-                        "gradient and keeps only its rows of it; reduce-scatter (dist.reduce_scatter_tensor) sends "
-                        "each rank only its rows, the point of ZeRO-3"]
+                        "gradient and keeps only its rows of it; reduce-scatter (dist.reduce_scatter_tensor) gives "
+                        "each rank only its rows, with half the traffic (a ring all-reduce is a reduce-scatter, then "
+                        "an all-gather)"]
             if not any(flow == "all_gather" for flow, _ in flows):
                 return [f"{where}: no all-gather: the forward needs the whole weight and bias, gathered from every "
                         "rank's rows"]
