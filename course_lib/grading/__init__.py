@@ -6,7 +6,7 @@
   notebooks (Gradescope results.json per submission, one CSV over all).
 - `python -m course_lib.grading.authoring` writes exercises/ from solutions/.
 
-Modules: spec (what an exercise is), lesson01, lesson02 and lesson03 (the exercises and their judges),
+Modules: spec (what an exercise is), lesson01 to lesson05 (the exercises and their judges),
 drivers + rank_runner (on the ranks), rank_set (the ranks of one submission,
 started once, reused run after run), stuck (who waits where at a deadline, yours or the
 checker's), checker (run and judge), registry (public

@@ -30,10 +30,10 @@ class UnknownExercise(KeyError):
 @functools.cache
 def public_exercises() -> types.MappingProxyType:
     """{id: Exercise} of every lesson, built once per process (read-only: shared by every lookup)."""
-    from . import lesson01, lesson02, lesson03, lesson04
+    from . import lesson01, lesson02, lesson03, lesson04, lesson05
 
     return types.MappingProxyType({**lesson01.EXERCISES, **lesson02.EXERCISES, **lesson03.EXERCISES,
-                                    **lesson04.EXERCISES})
+                                    **lesson04.EXERCISES, **lesson05.EXERCISES})
 
 
 def load_hidden(directory: str | pathlib.Path) -> dict[str, tuple[RunSpec, ...]]:

@@ -1,0 +1,154 @@
+"""Answer cells for lesson 05's grader tests: the solutions (as in solutions/05_fsdp2.ipynb) and
+plausible wrong answers, each of which must lose exactly the points its mistake deserves."""
+
+SHARD_SOLUTION = '''%%exercise 05.shard_bottom_up
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+
+def shard_bottom_up(model) -> None:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+'''
+
+# Only the root: one group holds every parameter, gathered whole before the forward.
+SHARD_ROOT_ONLY = SHARD_SOLUTION.replace("    for block in model.blocks:\n        fully_shard(block, mesh=mesh)\n", "")
+
+# Top down: the root first, then the Blocks, whose parameters the root has already made DTensors.
+SHARD_ROOT_FIRST = SHARD_SOLUTION.replace(
+    "    for block in model.blocks:\n        fully_shard(block, mesh=mesh)\n    fully_shard(model, mesh=mesh)\n",
+    "    fully_shard(model, mesh=mesh)\n    for block in model.blocks:\n        fully_shard(block, mesh=mesh)\n")
+
+# The mesh's size written in the code: right on 2 ranks, wrong on 4.
+SHARD_MESH_OF_2 = SHARD_SOLUTION.replace("(dist.get_world_size(),)", "(2,)")
+
+ZERO3_SOLUTION = '''%%exercise 05.zero3_linear
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def zero3_linear(weight_shard, bias_shard, inputs, targets):
+    world = dist.get_world_size()
+    full = []
+    for shard in (weight_shard, bias_shard):
+        whole = shard.new_empty(world * shard.shape[0], *shard.shape[1:])
+        dist.all_gather_into_tensor(whole, shard)
+        full.append(whole.requires_grad_())
+    weight, bias = full
+    F.mse_loss(F.linear(inputs, weight, bias), targets).backward()
+    grads = []
+    for shard, whole in ((weight_shard, weight), (bias_shard, bias)):
+        grad = torch.empty_like(shard)
+        dist.reduce_scatter_tensor(grad, whole.grad, op=dist.ReduceOp.AVG)
+        grads.append(grad)
+    return grads[0], grads[1]
+'''
+
+# All-reduce the whole gradient, then keep this rank's rows: right values, N times the traffic received.
+ZERO3_ALL_REDUCE = ZERO3_SOLUTION.replace(
+    "        grad = torch.empty_like(shard)\n"
+    "        dist.reduce_scatter_tensor(grad, whole.grad, op=dist.ReduceOp.AVG)\n"
+    "        grads.append(grad)\n",
+    "        dist.all_reduce(whole.grad, op=dist.ReduceOp.AVG)\n"
+    "        rows = shard.shape[0]\n"
+    "        grads.append(whole.grad[dist.get_rank() * rows:(dist.get_rank() + 1) * rows])\n")
+
+# All-reduce and return the whole gradient: every rank holds all of it.
+ZERO3_ALL_REDUCE_WHOLE = ZERO3_SOLUTION.replace(
+    "        grad = torch.empty_like(shard)\n"
+    "        dist.reduce_scatter_tensor(grad, whole.grad, op=dist.ReduceOp.AVG)\n"
+    "        grads.append(grad)\n",
+    "        dist.all_reduce(whole.grad, op=dist.ReduceOp.AVG)\n"
+    "        grads.append(whole.grad)\n")
+
+# The reduce-scatter's default, a sum: N times the average.
+ZERO3_SUM = ZERO3_SOLUTION.replace(", op=dist.ReduceOp.AVG)", ")")
+
+# The gathered parameter written into the shard: the rank keeps the whole Linear after the step.
+ZERO3_KEEPS_FULL = ZERO3_SOLUTION.replace(
+    "        full.append(whole.requires_grad_())\n",
+    "        shard.data = whole\n"
+    "        full.append(shard.detach().requires_grad_())\n").replace(
+    "        grad = torch.empty_like(shard)\n",
+    "        grad = whole.new_empty(whole.shape[0] // world, *whole.shape[1:])\n")
+
+# The reduce-scatter on rank 0 only: rank 0 waits in it for the others.
+ZERO3_SCATTER_ON_RANK_0 = ZERO3_SOLUTION.replace(
+    "        dist.reduce_scatter_tensor(grad, whole.grad, op=dist.ReduceOp.AVG)\n",
+    "        if dist.get_rank() == 0:\n"
+    "            dist.reduce_scatter_tensor(grad, whole.grad, op=dist.ReduceOp.AVG)\n")
+
+ACCUMULATE_SOLUTION = '''%%exercise 05.accumulate
+import torch.nn.functional as F
+
+
+def accumulate(model, optimizer, micro_batches) -> None:
+    k = len(micro_batches)
+    for i, (inputs, targets) in enumerate(micro_batches):
+        model.set_requires_gradient_sync(i == k - 1)
+        loss = F.mse_loss(model(inputs), targets) / k
+        loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+'''
+
+# Sync turned off and never back on: no reduce-scatter, no gradient on the shards, no step.
+ACCUMULATE_NEVER_ON = ACCUMULATE_SOLUTION.replace("set_requires_gradient_sync(i == k - 1)",
+                                                  "set_requires_gradient_sync(False)")
+
+# Only the root's own group turned off: the Blocks reduce-scatter every micro-batch (the result is right).
+ACCUMULATE_ROOT_ONLY = ACCUMULATE_SOLUTION.replace("set_requires_gradient_sync(i == k - 1)",
+                                                   "set_requires_gradient_sync(i == k - 1, recurse=False)")
+
+# The loss not divided by K: the K backwards add up to K times the mean.
+ACCUMULATE_NOT_DIVIDED = ACCUMULATE_SOLUTION.replace(" / k\n", "\n")
+
+# Divided by the world size too, as if FSDP summed over the ranks.
+ACCUMULATE_DIVIDED_BY_WORLD = ACCUMULATE_SOLUTION.replace(
+    "import torch.nn.functional as F\n", "import torch.distributed as dist\nimport torch.nn.functional as F\n").replace(
+    " / k\n", " / (k * dist.get_world_size())\n")
+
+META_SOLUTION = '''%%exercise 05.meta_init_broadcast
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+
+def init_sharded(build, full_state):
+    with torch.device("meta"):
+        model = build()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full_state, options=options)
+    return model
+'''
+
+# Each rank initialises its shards itself: the same random draws on every rank.
+META_RESET = META_SOLUTION.replace(
+    "    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)\n"
+    "    set_model_state_dict(model, full_state, options=options)\n",
+    "    for module in model.modules():\n"
+    "        if hasattr(module, \"reset_parameters\"):\n"
+    "            module.reset_parameters()\n")
+
+# A full state dict without broadcast_from_rank0: the ranks given {} have nothing to load.
+META_NO_BROADCAST = META_SOLUTION.replace("full_state_dict=True, broadcast_from_rank0=True", "full_state_dict=True")
+
+# Built on the CPU: right values, but every rank held the whole model first.
+META_ON_CPU = META_SOLUTION.replace("    with torch.device(\"meta\"):\n        model = build()\n",
+                                    "    model = build()\n")
+
+# Loading on rank 0 only ("only rank 0 has the weights"): rank 0 waits for the others in the broadcast.
+META_LOAD_ON_RANK_0 = META_SOLUTION.replace(
+    "    set_model_state_dict(model, full_state, options=options)\n",
+    "    if dist.get_rank() == 0:\n        set_model_state_dict(model, full_state, options=options)\n")

@@ -1,0 +1,381 @@
+"""Lesson 05's exercises, graded on real gloo ranks: the solution scores full marks, the stub
+zero with its hint (shown once per report), and each plausible wrong answer loses exactly the points
+its mistake deserves, with a message that names the rank, the case and what is wrong; an answer that
+hangs is stopped at its deadline with the rank and the collective it waits in.
+
+One set of grading ranks serves the whole module (as the grader gives one to a submission): it is
+started once, forked from a server that has imported torch.distributed.fsdp and
+torch.distributed.checkpoint.state_dict, and restarted only after a run that failed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+
+import nbformat
+import pytest
+import torch
+
+import grading_answers_05 as answers
+from exercise_notebooks import exercise_sections, markdown_cells
+from course_lib import theory
+from course_lib.grading.authoring import BEGIN_LINE
+from course_lib.grading.cells import EXERCISE_ID, exercise_cells
+from course_lib.grading.checker import check_exercise, preload_for, rank_set_for
+from course_lib.grading.gradescope import results_json
+from course_lib.grading.lesson05 import (
+    ATOL, FSDP2_OPS, LR, RTOL, TOY_2, TOY_3, _group_elements, _toy_weights, all_gather_elements, shard_rows)
+from course_lib.grading.registry import exercise, exercises_of_lesson
+from course_lib.grading.report import item_line
+from course_lib.grading.spec import Limits
+from course_lib.vocabulary import canonical_op
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOK = "05_fsdp2.ipynb"
+SOLUTIONS = exercise_cells(nbformat.read(ROOT / "solutions" / NOTEBOOK, as_version=4))
+STUBS = exercise_cells(nbformat.read(ROOT / "exercises" / NOTEBOOK, as_version=4))
+IDS = exercises_of_lesson("05")
+SHARD, ZERO3, ACCUMULATE, META = IDS
+HANG_S = 4  # the deadline of a run that hangs: long enough for the sharding and the checker's reference
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    with rank_set_for([exercise(i) for i in IDS]) as shared:
+        yield shared
+
+
+def _rows(count: int) -> str:
+    return f"{count} row{'s' * (count != 1)}"
+
+
+@pytest.mark.parametrize("notebook", ["solutions", "exercises"])
+def test_the_notebook_lists_exactly_the_exercises_graded(notebook):
+    assert IDS == ["05.shard_bottom_up", "05.zero3_linear", "05.accumulate", "05.meta_init_broadcast"]
+    cells = exercise_cells(nbformat.read(ROOT / notebook / NOTEBOOK, as_version=4))
+    assert list(cells) == IDS  # the %%exercise cells, in the registry's order
+    markdown = "\n".join(markdown_cells(notebook, NOTEBOOK))
+    assert re.findall(r"^\d+\. `(\S+)`", markdown, re.M) == IDS  # the list under Goal
+    assert list(exercise_sections(notebook, NOTEBOOK)) == IDS
+    named = set(re.findall(rf"\b{EXERCISE_ID.pattern}\b", markdown))
+    assert named <= set(IDS), f"the text names exercises nobody grades: {sorted(named - set(IDS))}"
+    assert "(../notebooks/05_fsdp2.ipynb)" in markdown  # the lesson it practises
+
+
+def _head_rows(n: int) -> str:
+    """"the head's 5 rows are held 2, 2, 1 and 0": how the text says the head is cut on n ranks."""
+    sizes = [stop - start for start, stop in (shard_rows(TOY_3["out"], n, r) for r in range(n))]
+    return f"the head's {TOY_3['out']} rows are held {', '.join(map(str, sizes[:-1]))} and {sizes[-1]}"
+
+
+def _case_phrases(exercise_id: str, case: dict) -> list[str]:
+    """What the text must say about one case (the world size is checked apart)."""
+    n = len(case)
+    if exercise_id == SHARD:
+        sizes, rows = case[0][0], case[0][2].shape[0]
+        phrases = [f"`ToyModel` with {sizes['layers']} Blocks, this rank's {_rows(rows)} of a batch of {n * rows}"]
+        return phrases + ([_head_rows(n)] if n == 4 else [])
+    if exercise_id == ZERO3:
+        weights, inputs = case[0][0], case[0][1]
+        out, features = weights["weight"].shape
+        rows = inputs.shape[0]
+        return [f"`Linear({features}, {out})`, {_rows(out // n)} of the weight per rank, this rank's {_rows(rows)} "
+                f"of a batch of {n * rows}"]
+    if exercise_id == ACCUMULATE:
+        sizes, _, micro_batches, _ = case[0]
+        k, rows = len(micro_batches), micro_batches[0][0].shape[0]
+        return [f"{sizes['layers']} Blocks, K={k} micro-batches of {_rows(rows)} per rank (a batch of {n * k * rows} "
+                "rows)"]
+    sizes = case[0][0]
+    return [f"`ToyModel` with {sizes['layers']} Blocks"] + ([_head_rows(n)] if n == 4 else [])
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_each_exercise_states_its_deadline_cases_and_allowed_calls(exercise_id):
+    """What the checks enforce (lesson05.py, rank_runner's blocked calls), as the learner reads it."""
+    text, found = exercise_sections("solutions", NOTEBOOK)[exercise_id], exercise(exercise_id)
+    assert f"**Graded on** {len(found.runs)} runs" in text
+    for run in found.runs:
+        assert f"deadline of {run.timeout_s:g} s" in text
+        assert f"{run.nproc} ranks" in text
+        for case in run.make_inputs(run.nproc):
+            for phrase in _case_phrases(exercise_id, case):
+                assert phrase in text, f"{exercise_id}: no {phrase!r}"
+    assert f"rtol {RTOL:.0e} and atol {ATOL:.0e}".replace("e-0", "e-") in text
+    if exercise_id in (SHARD, ACCUMULATE):
+        assert f"lr {LR:g}" in text or f"lr={LR:g}" in text
+    if exercise_id in (SHARD, META):
+        assert '`init_device_mesh("cpu", (dist.get_world_size(),))`' in markdown_cells("solutions", NOTEBOOK)[0]
+    for op in sorted(found.allowed_ops):
+        assert f"`dist.{op}`" in text
+    assert "collective or point-to-point call raises inside the check" in text
+    assert "`dist.get_rank()`" in text  # not a communication: never blocked
+
+
+def test_the_rows_each_rank_holds_are_fsdp2s_in_theory():
+    """shard_rows (the checker's words) tile dim 0 in torch.chunk's pieces, as cl.theory's FSDP2 layout says."""
+    for world in range(1, 6):
+        for rows in (1, 2, 5, 8, 13, 17):
+            pieces = [shard_rows(rows, world, r) for r in range(world)]
+            assert [stop - start for start, stop in pieces] == \
+                [theory.fsdp2_local_shape((rows, 3), world, r)[0] for r in range(world)]
+            assert pieces[0][0] == 0 and pieces[-1][1] == rows  # together, every row once, in rank order
+            assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+            chunks = torch.arange(rows).chunk(world)
+            assert [list(range(*p)) for p in pieces[:len(chunks)]] == [c.tolist() for c in chunks]
+    assert [shard_rows(5, 4, r) for r in range(4)] == [(0, 2), (2, 4), (4, 5), (5, 5)]  # rank 3: no rows
+
+
+@pytest.mark.parametrize("n, sizes", [(2, TOY_2), (4, TOY_3)])
+def test_the_forward_all_gathers_judged_are_theorys(n, sizes):
+    """The bytes 05.shard_bottom_up expects of the forward's all-gathers are cl.theory's FSDP2 step, forward part."""
+    weights = _toy_weights(sizes, 0)
+    block, root = _group_elements(sizes, weights, n)
+    units = [[tuple(v.shape) for k, v in weights.items() if k.startswith(f"blocks.{i}.")]
+             for i in range(sizes["layers"])]
+    units.append([tuple(v.shape) for k, v in weights.items() if k.startswith("head.")])
+    steps = theory.fsdp2_step_collectives(units, n)
+    forward = steps[:len(units)]
+    assert [canonical_op(op) for op, _ in forward] == ["all_gather_single"] * len(units)
+    assert [nbytes for _, nbytes in forward] == [4 * root] + [4 * block] * sizes["layers"]
+    assert all_gather_elements([(13, 8), (13,), (8, 13), (8,)], 2) == 7 * 8 + 7 + 4 * 13 + 4 == 119
+
+
+def test_the_exercises_fork_their_ranks_with_fsdp_imported(ranks):
+    """fully_shard's package, torch._dynamo (which the first fully_shard imports: 2.4 s for 2 ranks) and the
+    checkpoint state dict's: the server imports them once, before forking."""
+    assert preload_for([exercise(i) for i in IDS]) == ("torch._dynamo", "torch.distributed.checkpoint.state_dict",
+                                                        "torch.distributed.fsdp")
+    found = exercise(ZERO3)
+    cell = answers.ZERO3_SOLUTION.replace(
+        "def zero3_linear", "import sys\n\nassert {'torch.distributed.fsdp', 'torch._dynamo'} <= set(sys.modules), "
+        "'not preloaded'\n\n\ndef zero3_linear", 1)
+    items = check_exercise(dataclasses.replace(found, runs=found.runs[:1]), cell, ranks=ranks)
+    assert all(item.passed for item in items), "\n".join(map(item_line, items))
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_solution_scores_full_marks(exercise_id, ranks):
+    """For 05.zero3_linear this also shows fully_shard's own gradient shards equal one process's rows: the
+    judge compares the answer with both."""
+    items = check_exercise(exercise(exercise_id), SOLUTIONS[exercise_id], ranks=ranks)
+    assert all(item.passed for item in items), "\n".join(map(item_line, items))
+    assert sum(item.score for item in items) == exercise(exercise_id).points > 0
+
+
+def _hints(answer_cell: str) -> list[str]:
+    """The hints on the solution cell's `### BEGIN SOLUTION hint: ...` lines (what its stubs raise)."""
+    return [m.group(1) for line in answer_cell.splitlines() if (m := BEGIN_LINE.fullmatch(line.strip()))]
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_stub_scores_zero_and_says_what_to_write_once(exercise_id, ranks):
+    items = check_exercise(exercise(exercise_id), STUBS[exercise_id], ranks=ranks)
+    assert sum(item.score for item in items) == 0
+    (hint,) = _hints(SOLUTIONS[exercise_id])  # one answer region per cell
+    for item in items:
+        assert f"NotImplementedError: this part of {exercise_id} is not written yet" in item.message, item.message
+        assert item.message.startswith("rank "), item.message  # names the rank that raised
+        assert hint not in item.message and item.hint == hint
+    shown: set[str] = set()
+    report = "\n".join(item_line(item, shown) for item in items)
+    assert report.count(hint) == 1 and report.count("hint: ") == 1, report
+    tests = results_json({exercise_id: items}, extra={})["tests"]
+    assert [hint in test["output"] for test in tests] == [True] + [False] * (len(tests) - 1)
+
+
+def _lost(items) -> dict[str, str]:
+    return {item.name: item.message for item in items if not item.passed}
+
+
+UNITS_2, STEP_2, GATHERS_2, UNITS_4, STEP_4, GATHERS_4 = (
+    "every Block and the root are FSDP modules, every parameter Shard(0) on all 2 ranks",
+    "one SGD step equals one process on the whole batch (2 ranks)",
+    "the forward all-gathers once per Block and once for the root (2 ranks)",
+    "every Block and the root are FSDP modules, every parameter Shard(0) on all 4 ranks",
+    "one SGD step equals one process on the whole batch (4 ranks)",
+    "the forward all-gathers once per Block and once for the root (4 ranks)")
+GRADS_2, TRAFFIC_2, GRADS_4, TRAFFIC_4 = (
+    "each rank's gradient rows equal fully_shard's and one process's (2 ranks)",
+    "all-gather, then reduce-scatter, no all-reduce; the shards stay shards (2 ranks)",
+    "each rank's gradient rows equal fully_shard's and one process's (4 ranks)",
+    "all-gather, then reduce-scatter, no all-reduce; the shards stay shards (4 ranks)")
+ACC_STEP_2, ACC_SYNC_2, ACC_STEP_4, ACC_SYNC_4 = (
+    "one step equals one process on the whole batch (2 ranks, K=3)",
+    "reduce-scatters only in the last micro-batch (2 ranks, K=3)",
+    "one step equals one process on the whole batch (4 ranks, K=2)",
+    "reduce-scatters only in the last micro-batch (4 ranks, K=2)")
+META_BUILT_2, META_VALUES_2, META_BUILT_4, META_VALUES_4 = (
+    "built on the meta device, every parameter Shard(0) on the CPU (2 ranks)",
+    "every rank's rows equal rank 0's state dict (2 ranks)",
+    "built on the meta device, every parameter Shard(0) on the CPU (4 ranks)",
+    "every rank's rows equal rank 0's state dict (4 ranks)")
+TOY_CASE_2 = "rank 0, case 1 of 1 (ToyModel with 2 Blocks, 2 rows per rank): "
+TOY_CASE_4 = "rank 0, case 1 of 1 (ToyModel with 3 Blocks, 1 row per rank): "
+LINEAR_2 = "rank 0, case 1 of 1 (Linear(5, 6), 3 rows of the batch and 3 rows of the weight per rank): "
+LINEAR_4 = "rank 0, case 1 of 1 (Linear(3, 8), 2 rows of the batch and 2 rows of the weight per rank): "
+MICRO_2 = "rank 0, case 1 of 1 (ToyModel with 2 Blocks, K=3 micro-batches of 2 rows per rank): "
+MICRO_4 = "rank 0, case 1 of 1 (ToyModel with 3 Blocks, K=2 micro-batches of 1 row per rank): "
+ROOT_FIRST = ("RuntimeError: TypeError: Invariant encountered: value was None when it should not be: "
+              "fully_shard(model) ran before fully_shard on the Blocks. The root's call already made every parameter "
+              "below it, the Blocks' too, a DTensor of the root's group")
+# Ranks 2 and 3 both raise: the report names the lowest that has ended when the others are stopped.
+MESH_OF_2 = (" raised at cell line 10: RuntimeError: IndexError: list index out of range: the mesh holds ranks [0, 1], "
+             "2 of the 4 ranks (rank ", " is not in it); FSDP's 1-D mesh holds every rank: "
+             "init_device_mesh('cpu', (dist.get_world_size(),)), not a size written in the code")
+ALL_REDUCE = ("all_reduce of {} B = {} floats: every rank receives the whole gradient and keeps only its rows of it; "
+              "reduce-scatter (dist.reduce_scatter_tensor) gives each rank only its rows, with half the traffic")
+NEVER_ON = ("the parameter did not change, so no gradient reached this rank's shard: FSDP reduce-scatters only in a "
+            "backward with gradient sync on")
+NO_SCATTER = ("gradient sync stayed off, so nothing reached the shards; turn it back on "
+              "(model.set_requires_gradient_sync(True)) before the last micro-batch's backward")
+RECURSE = ("the Blocks still reduce-scatter every micro-batch: set_requires_gradient_sync(False, recurse=False) turns "
+           "off only the root's own group")
+RESET = ("every rank's shard of blocks.0.up.weight starts with the same values. reset_parameters() on a sharded model "
+         "draws each rank's rows from the same random state")
+NO_BROADCAST = (" raised at cell line 18: RuntimeError: The option indicates that model state_dict is required to save "
+                "or load, but model state_dict is empty.rank = dist.get_rank()=",
+                ".: only rank 0 is given the full state dict ({} on the others); "
+                "StateDictOptions(full_state_dict=True, broadcast_from_rank0=True) makes rank 0 broadcast each tensor")
+
+# A model sharded the wrong way still trains right when it trains (FSDP's groups change the communication, not the
+# result): only the root sharded loses the structure's and the ledger's points, not the step's.
+WRONG = [
+    pytest.param(SHARD, answers.SHARD_ROOT_ONLY, {
+        UNITS_2: TOY_CASE_2 + "the FSDP modules are [''], expected ['', 'blocks.0', 'blocks.1']: only the root is: "
+                              "fully_shard(model) alone puts every parameter in one group",
+        GATHERS_2: TOY_CASE_2 + "the forward all-gathers once, 1060 B = 265 floats: every parameter's shard at once, "
+                                "expected 3: one per Block (476 B = 119 floats each, its shards) and the root's (108 B "
+                                "= 27 floats, the head's). Only the root was sharded",
+        UNITS_4: TOY_CASE_4 + "the FSDP modules are [''], expected ['', 'blocks.0', 'blocks.1', 'blocks.2']",
+        GATHERS_4: TOY_CASE_4 + "the forward all-gathers once, 840 B = 210 floats: every parameter's shard at once, "
+                                "expected 4: one per Block (256 B = 64 floats each, its shards) and the root's (72 B = "
+                                "18 floats, the head's)",
+    }, id="shard-root-only"),
+    # torch 2.13 and 2.15 raise in fully_shard(block): every item of both runs is lost, with the driver's words.
+    pytest.param(SHARD, answers.SHARD_ROOT_FIRST, {
+        name: (" raised at cell line 11: " + ROOT_FIRST,)
+        for name in (UNITS_2, STEP_2, GATHERS_2, UNITS_4, STEP_4, GATHERS_4)}, id="shard-root-first"),
+    # init_device_mesh("cpu", (2,)): right on 2 ranks; on 4, ranks 2 and 3 are in no mesh.
+    pytest.param(SHARD, answers.SHARD_MESH_OF_2, {name: MESH_OF_2 for name in (UNITS_4, STEP_4, GATHERS_4)},
+                 id="shard-mesh-of-2"),
+    pytest.param(ZERO3, answers.ZERO3_ALL_REDUCE, {
+        TRAFFIC_2: LINEAR_2 + ALL_REDUCE.format(120, 30),
+        TRAFFIC_4: LINEAR_4 + ALL_REDUCE.format(96, 24),
+    }, id="zero3-all-reduce-then-slice"),
+    pytest.param(ZERO3, answers.ZERO3_ALL_REDUCE_WHOLE, {
+        GRADS_2: LINEAR_2 + "the weight gradient (rows 0 to 2 of 6) shape [6, 5], expected [3, 5]: that is the whole "
+                            "gradient, not this rank's rows 0 to 2; reduce-scatter it",
+        TRAFFIC_2: LINEAR_2 + ALL_REDUCE.format(120, 30),
+        GRADS_4: LINEAR_4 + "the weight gradient (rows 0 to 1 of 8) shape [8, 3], expected [2, 3]: that is the whole "
+                            "gradient",
+        TRAFFIC_4: LINEAR_4 + ALL_REDUCE.format(96, 24),
+    }, id="zero3-all-reduce-whole"),
+    pytest.param(ZERO3, answers.ZERO3_SUM, {
+        GRADS_2: LINEAR_2 + "the weight gradient (rows 0 to 2 of 6) element [0, 0] is 0.373484, expected 0.186742: "
+                            "that is 2 times the average, the sum over the ranks; average it (op=dist.ReduceOp.AVG, or "
+                            "divide by the world size)",
+        GRADS_4: LINEAR_4 + "the weight gradient (rows 0 to 1 of 8) element [0, 0] is 0.194005, expected 0.0485012: "
+                            "that is 4 times the average",
+    }, id="zero3-sum"),
+    pytest.param(ZERO3, answers.ZERO3_KEEPS_FULL, {
+        TRAFFIC_2: LINEAR_2 + "after zero3_linear returns, weight_shard holds [6, 5], not this rank's [3, 5]: the "
+                              "gathered weight was kept in the shard. ZeRO-3 keeps only the shard between uses",
+        TRAFFIC_4: LINEAR_4 + "after zero3_linear returns, weight_shard holds [8, 3], not this rank's [2, 3]",
+    }, id="zero3-gathered-into-the-shard"),
+    pytest.param(ACCUMULATE, answers.ACCUMULATE_NEVER_ON, {
+        ACC_STEP_2: MICRO_2 + "after the step its shard of blocks.0.up.weight (rows 0 to 6 of 13) element [0, 0] is "
+                              "0.23739, expected 0.234917: " + NEVER_ON,
+        ACC_SYNC_2: MICRO_2 + "expected none before the last micro-batch and 3 in it (one per Block and the root's): "
+                              "reduce-scatters 0 in micro-batch 1, 0 in micro-batch 2, 0 in micro-batch 3: "
+                    + NO_SCATTER,
+        ACC_STEP_4: (MICRO_4 + "after the step its shard of blocks.0.up.weight (rows 0 to 3 of 13)", NEVER_ON),
+        ACC_SYNC_4: MICRO_4 + "expected none before the last micro-batch and 4 in it (one per Block and the root's): "
+                              "reduce-scatters 0 in micro-batch 1, 0 in micro-batch 2: " + NO_SCATTER,
+    }, id="accumulate-sync-never-back-on"),
+    # The result is right (the Blocks' reduce-scatters add up their shards' gradients): only the ledger shows it.
+    pytest.param(ACCUMULATE, answers.ACCUMULATE_ROOT_ONLY, {
+        ACC_SYNC_2: (MICRO_2, "reduce-scatters 2 in micro-batch 1, 2 in micro-batch 2, 3 in micro-batch 3: " + RECURSE),
+        ACC_SYNC_4: (MICRO_4, "reduce-scatters 3 in micro-batch 1, 4 in micro-batch 2: " + RECURSE),
+    }, id="accumulate-recurse-false"),
+    pytest.param(ACCUMULATE, answers.ACCUMULATE_NOT_DIVIDED, {
+        ACC_STEP_2: MICRO_2 + "after the step its shard of blocks.0.up.weight (rows 0 to 6 of 13) element [0, 0] is "
+                              "0.22997, expected 0.234917: the update is 3 times too large: divide each micro-batch's "
+                              "loss by K=3",
+        ACC_STEP_4: (MICRO_4, "the update is 2 times too large: divide each micro-batch's loss by K=2"),
+    }, id="accumulate-loss-not-divided"),
+    pytest.param(ACCUMULATE, answers.ACCUMULATE_DIVIDED_BY_WORLD, {
+        ACC_STEP_2: (MICRO_2, "the update is 2 times too small: FSDP's reduce-scatter already averages over the 2 "
+                              "ranks; divide the loss by K=3 only"),
+        ACC_STEP_4: (MICRO_4, "the update is 4 times too small: FSDP's reduce-scatter already averages over the 4 "
+                              "ranks; divide the loss by K=2 only"),
+    }, id="accumulate-loss-divided-by-world"),
+    pytest.param(META, answers.META_RESET, {
+        META_VALUES_2: "rank 0, case 1 of 1 (ToyModel with 2 Blocks): its shard of blocks.0.up.weight (rows 0 to 6 of "
+                       "13) element [0, 0] is -0.258145, expected -0.0979284: " + RESET,
+        META_VALUES_4: "rank 0, case 1 of 1 (ToyModel with 3 Blocks): its shard of blocks.0.up.weight (rows 0 to 3 of "
+                       "13) element [0, 0] is 0.102497, expected -0.0233148: " + RESET,
+    }, id="meta-reset-parameters"),
+    # Every rank given {} raises (torch's words, then the driver's); one of them is named, never rank 0.
+    pytest.param(META, answers.META_NO_BROADCAST, {
+        name: NO_BROADCAST for name in (META_BUILT_2, META_VALUES_2, META_BUILT_4, META_VALUES_4)},
+        id="meta-without-broadcast-from-rank0"),
+    pytest.param(META, answers.META_ON_CPU, {
+        META_BUILT_2: "rank 0, case 1 of 1 (ToyModel with 2 Blocks): build() made the parameters on the cpu device, "
+                      "so every rank held and initialised the whole model; call it inside `with torch.device('meta'):`",
+        META_BUILT_4: "rank 0, case 1 of 1 (ToyModel with 3 Blocks): build() made the parameters on the cpu device",
+    }, id="meta-built-on-the-cpu"),
+]
+
+
+# The rank a message must start with, where it is not rank 0: one of those that raised.
+NAMED = {answers.SHARD_MESH_OF_2: r"rank [23] raised", answers.META_NO_BROADCAST: r"rank [1-3] raised",
+         answers.SHARD_ROOT_FIRST: r"rank [0-3] raised"}
+
+
+@pytest.mark.parametrize("exercise_id, source, lost", WRONG)
+def test_wrong_answer_loses_the_right_points_and_says_why(exercise_id, source, lost, ranks):
+    items = check_exercise(exercise(exercise_id), source, ranks=ranks)
+    got = _lost(items)
+    assert sorted(got) == sorted(lost), "\n".join(map(item_line, items))
+    for name, phrases in lost.items():
+        # A tuple: words around a rank number that depends on which of several failing ranks ended first.
+        for phrase in phrases if isinstance(phrases, tuple) else (phrases,):
+            assert phrase in got[name], f"{name}: {got[name]!r} lacks {phrase!r}"
+        assert re.match(NAMED.get(source, r"rank 0[,: ]"), got[name]), got[name]
+
+
+HANGS = [
+    # set_model_state_dict with broadcast_from_rank0 first broadcasts the keys (an object): the others never call it.
+    pytest.param(META, answers.META_LOAD_ON_RANK_0, [
+        "rank 0 is still in your function: it is waiting in broadcast_object_list #1 (world group)",
+        "rank 1 finished your function and waits in the checker's barrier (world group)"], id="load-on-rank-0-only"),
+    # The weight's reduce-scatter, after the two all-gathers (#1, #2) of the function: 6 x 5 floats.
+    pytest.param(ZERO3, answers.ZERO3_SCATTER_ON_RANK_0, [
+        "rank 0 is still in your function: it is waiting in reduce_scatter_single #3 (120 B, world group)",
+        "rank 1 finished your function and waits in the checker's barrier (world group)"],
+        id="reduce-scatter-on-rank-0-only"),
+]
+
+
+@pytest.mark.parametrize("exercise_id, source, phrases", HANGS)
+def test_an_answer_that_hangs_is_stopped_at_its_deadline_naming_the_rank_and_collective(
+        exercise_id, source, phrases, ranks):
+    found = exercise(exercise_id)
+    first_run = dataclasses.replace(found, runs=found.runs[:1])  # 2 ranks
+    items = check_exercise(first_run, source, limits=Limits(run_timeout_s=HANG_S), ranks=ranks)
+    assert [item.score for item in items] == [0] * len(items)
+    for item in items:
+        assert item.message.startswith(f"did not finish within {HANG_S} s on 2 ranks ("), item.message
+        for phrase in phrases:
+            assert phrase in item.message, item.message
+
+
+def test_fully_shards_calls_are_the_ones_allowed():
+    """The names FSDP2's collectives are recorded under (vocabulary) are allowed by every exercise that runs it."""
+    for exercise_id in IDS:
+        allowed = {canonical_op(op) for op in exercise(exercise_id).allowed_ops}
+        assert {canonical_op(op) for op in FSDP2_OPS} <= allowed, exercise_id
+    assert {canonical_op(op) for op in FSDP2_OPS} == {"all_gather_single", "reduce_scatter_single"}
