@@ -76,7 +76,10 @@ def run_live(header: str, run: Callable[..., T]) -> T:
     `run` is `run_torchrun` or `Pool.run` with its other arguments bound: both
     call `on_output(rank, stream, text)` as ranks write and `on_poll()` while waiting.
     """
-    print(header, flush=True)
+    # One write: print() writes the text and its newline apart, and the kernel may send them as two
+    # outputs; a notebook would then store an output that is only "\n".
+    sys.stdout.write(header + "\n")
+    sys.stdout.flush()
     if not someone_is_watching():
         return run(on_output=lambda rank, stream, text: None, on_poll=lambda: None)
     live = LiveView()
