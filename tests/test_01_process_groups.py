@@ -12,12 +12,12 @@ import nbformat
 import pytest
 
 import grading_answers as answers
+from exercise_checks import (
+    assert_full_marks, assert_stub_scores_zero_with_its_hint_once, failed_items, solution_hints)
 from exercise_notebooks import exercise_sections, markdown_cells
 from test_magic_kernel import Kernel
-from course_lib.grading.authoring import BEGIN_LINE
 from course_lib.grading.cells import EXERCISE_ID, exercise_cells
 from course_lib.grading.checker import Limits, check_exercise
-from course_lib.grading.gradescope import results_json
 from course_lib.grading.registry import exercise, exercises_of_lesson
 from course_lib.grading.report import item_line
 
@@ -83,36 +83,13 @@ def test_each_exercise_states_its_deadline_cases_and_allowed_calls(exercise_id):
 
 @pytest.mark.parametrize("exercise_id", IDS)
 def test_solution_scores_full_marks(exercise_id):
-    items = check_exercise(exercise(exercise_id), SOLUTIONS[exercise_id])
-    assert all(item.passed for item in items), "\n".join(map(item_line, items))
-    assert sum(item.score for item in items) == exercise(exercise_id).points > 0
-
-
-def _hint(answer_cell: str) -> str:
-    """The hint on the solution cell's `### BEGIN SOLUTION hint: ...` line (what its stub raises)."""
-    (hint,) = [m.group(1) for line in answer_cell.splitlines() if (m := BEGIN_LINE.fullmatch(line.strip()))]
-    return hint
+    assert_full_marks(exercise_id, SOLUTIONS[exercise_id])
 
 
 @pytest.mark.parametrize("exercise_id", IDS)
 def test_stub_scores_zero_and_says_what_to_write_once(exercise_id):
-    items = check_exercise(exercise(exercise_id), STUBS[exercise_id])
-    assert sum(item.score for item in items) == 0
-    hint = _hint(SOLUTIONS[exercise_id])
-    for item in items:
-        assert f"NotImplementedError: this part of {exercise_id} is not written yet" in item.message, item.message
-        assert item.message.startswith("rank "), item.message  # names the rank that raised
-        assert hint not in item.message and item.hint == hint
-    # The report, as cl.check prints it, and the Gradescope results: the hint once, not once per item.
-    shown: set[str] = set()
-    report = "\n".join(item_line(item, shown) for item in items)
-    assert report.count(hint) == 1 and report.count("hint: ") == 1, report
-    tests = results_json({exercise_id: items}, extra={})["tests"]
-    assert [hint in test["output"] for test in tests] == [True] + [False] * (len(tests) - 1)
-
-
-def _lost(items) -> dict[str, str]:
-    return {item.name: item.message for item in items if not item.passed}
+    hint = solution_hints(SOLUTIONS[exercise_id])[0]
+    assert_stub_scores_zero_with_its_hint_once(exercise_id, STUBS[exercise_id], hint)
 
 
 WRONG = [
@@ -151,7 +128,7 @@ WRONG = [
 @pytest.mark.parametrize("exercise_id, source, lost", WRONG)
 def test_wrong_answer_loses_the_right_points_and_says_why(exercise_id, source, lost):
     items = check_exercise(exercise(exercise_id), source)
-    got = _lost(items)
+    got = failed_items(items)
     assert sorted(got) == sorted(lost), "\n".join(map(item_line, items))
     for name, phrase in lost.items():
         assert phrase in got[name], f"{name}: {got[name]!r} lacks {phrase!r}"
@@ -201,6 +178,7 @@ def test_in_a_kernel_check_before_saving_is_one_line_and_a_stub_prints_its_hint_
         report = kernel.execute('cl.check("01.ring_allreduce")', timeout_s=120)
         printed = report.text("stdout")
         assert report.status == "ok" and printed.count("  FAIL  ") == sum(len(run.items) for run in exercise("01.ring_allreduce").runs)
-        assert printed.count(_hint(SOLUTIONS["01.ring_allreduce"])) == 1, printed
+        (hint,) = solution_hints(SOLUTIONS["01.ring_allreduce"])
+        assert printed.count(hint) == 1, printed
     finally:
         kernel.shutdown()

@@ -16,11 +16,11 @@ import nbformat
 import pytest
 
 import grading_answers_02 as answers
+from exercise_checks import (
+    assert_full_marks, assert_stub_scores_zero_with_its_hint_once, failed_items, solution_hints)
 from exercise_notebooks import exercise_sections, markdown_cells
-from course_lib.grading.authoring import BEGIN_LINE
 from course_lib.grading.cells import EXERCISE_ID, exercise_cells
 from course_lib.grading.checker import check_exercise, preload_for, rank_set_for
-from course_lib.grading.gradescope import results_json
 from course_lib.grading.lesson02 import ATOL, FP16_ATOL, FP16_RTOL, LR, RTOL, greedy_buckets
 from course_lib.grading.registry import exercise, exercises_of_lesson
 from course_lib.grading.report import item_line
@@ -121,35 +121,13 @@ def test_the_ddp_exercises_fork_their_ranks_with_torch_dynamo_imported():
 
 @pytest.mark.parametrize("exercise_id", IDS)
 def test_solution_scores_full_marks(exercise_id, ranks):
-    items = check_exercise(exercise(exercise_id), SOLUTIONS[exercise_id], ranks=ranks)
-    assert all(item.passed for item in items), "\n".join(map(item_line, items))
-    assert sum(item.score for item in items) == exercise(exercise_id).points > 0
-
-
-def _hint(answer_cell: str) -> str:
-    """The hint on the solution cell's `### BEGIN SOLUTION hint: ...` line (what its stub raises)."""
-    (hint,) = [m.group(1) for line in answer_cell.splitlines() if (m := BEGIN_LINE.fullmatch(line.strip()))]
-    return hint
+    assert_full_marks(exercise_id, SOLUTIONS[exercise_id], ranks=ranks)
 
 
 @pytest.mark.parametrize("exercise_id", IDS)
 def test_stub_scores_zero_and_says_what_to_write_once(exercise_id, ranks):
-    items = check_exercise(exercise(exercise_id), STUBS[exercise_id], ranks=ranks)
-    assert sum(item.score for item in items) == 0
-    hint = _hint(SOLUTIONS[exercise_id])
-    for item in items:
-        assert f"NotImplementedError: this part of {exercise_id} is not written yet" in item.message, item.message
-        assert item.message.startswith("rank "), item.message  # names the rank that raised
-        assert hint not in item.message and item.hint == hint
-    shown: set[str] = set()
-    report = "\n".join(item_line(item, shown) for item in items)
-    assert report.count(hint) == 1 and report.count("hint: ") == 1, report
-    tests = results_json({exercise_id: items}, extra={})["tests"]
-    assert [hint in test["output"] for test in tests] == [True] + [False] * (len(tests) - 1)
-
-
-def _lost(items) -> dict[str, str]:
-    return {item.name: item.message for item in items if not item.passed}
+    hint = solution_hints(SOLUTIONS[exercise_id])[0]
+    assert_stub_scores_zero_with_its_hint_once(exercise_id, STUBS[exercise_id], hint, ranks=ranks)
 
 
 AVERAGE_2, AVERAGE_3, AVERAGE_FROZEN = (
@@ -266,7 +244,7 @@ WRONG = [
 @pytest.mark.parametrize("exercise_id, source, lost", WRONG)
 def test_wrong_answer_loses_the_right_points_and_says_why(exercise_id, source, lost, ranks):
     items = check_exercise(exercise(exercise_id), source, ranks=ranks)
-    got = _lost(items)
+    got = failed_items(items)
     assert sorted(got) == sorted(lost), "\n".join(map(item_line, items))
     for name, phrase in lost.items():
         assert phrase in got[name], f"{name}: {got[name]!r} lacks {phrase!r}"

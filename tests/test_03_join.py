@@ -18,16 +18,15 @@ import nbformat
 import pytest
 
 import grading_answers_03 as answers
+from exercise_checks import (
+    assert_full_marks, assert_hang_is_named, assert_stub_scores_zero_with_its_hint_once, failed_items, solution_hints)
 from exercise_notebooks import exercise_sections, markdown_cells
-from course_lib.grading.authoring import BEGIN_LINE
 from course_lib.grading.cells import EXERCISE_ID, exercise_cells
 from course_lib.grading.checker import check_exercise, preload_for, rank_set_for
-from course_lib.grading.gradescope import results_json
 from course_lib.grading.lesson02 import ATOL, RTOL, _batch, _sgd_step, _weights
 from course_lib.grading.lesson03 import ADAM_LR, LR, STATE_ATOL, STATE_RTOL, join_reference
 from course_lib.grading.registry import exercise, exercises_of_lesson
 from course_lib.grading.report import item_line
-from course_lib.grading.spec import Limits
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK = "03_join.ipynb"
@@ -138,9 +137,7 @@ def test_the_exercises_fork_their_ranks_with_what_ddp_and_zero_import(ranks):
 
 @pytest.mark.parametrize("exercise_id", IDS)
 def test_solution_scores_full_marks(exercise_id, ranks):
-    items = check_exercise(exercise(exercise_id), SOLUTIONS[exercise_id], ranks=ranks)
-    assert all(item.passed for item in items), "\n".join(map(item_line, items))
-    assert sum(item.score for item in items) == exercise(exercise_id).points > 0
+    assert_full_marks(exercise_id, SOLUTIONS[exercise_id], ranks=ranks)
 
 
 # Counter's stub has three answer regions; the checker's Join([counter]) builds the hook (given) and
@@ -148,29 +145,10 @@ def test_solution_scores_full_marks(exercise_id, ranks):
 RAISED_FIRST = {JOIN: 0, COUNTER: 2, ZERO: 0}
 
 
-def _hints(answer_cell: str) -> list[str]:
-    """The hints on the solution cell's `### BEGIN SOLUTION hint: ...` lines (what its stubs raise)."""
-    return [m.group(1) for line in answer_cell.splitlines() if (m := BEGIN_LINE.fullmatch(line.strip()))]
-
-
 @pytest.mark.parametrize("exercise_id", IDS)
 def test_stub_scores_zero_and_says_what_to_write_once(exercise_id, ranks):
-    items = check_exercise(exercise(exercise_id), STUBS[exercise_id], ranks=ranks)
-    assert sum(item.score for item in items) == 0
-    hint = _hints(SOLUTIONS[exercise_id])[RAISED_FIRST[exercise_id]]
-    for item in items:
-        assert f"NotImplementedError: this part of {exercise_id} is not written yet" in item.message, item.message
-        assert item.message.startswith("rank "), item.message  # names the rank that raised
-        assert hint not in item.message and item.hint == hint
-    shown: set[str] = set()
-    report = "\n".join(item_line(item, shown) for item in items)
-    assert report.count(hint) == 1 and report.count("hint: ") == 1, report
-    tests = results_json({exercise_id: items}, extra={})["tests"]
-    assert [hint in test["output"] for test in tests] == [True] + [False] * (len(tests) - 1)
-
-
-def _lost(items) -> dict[str, str]:
-    return {item.name: item.message for item in items if not item.passed}
+    hint = solution_hints(SOLUTIONS[exercise_id])[RAISED_FIRST[exercise_id]]
+    assert_stub_scores_zero_with_its_hint_once(exercise_id, STUBS[exercise_id], hint, ranks=ranks)
 
 
 TRAINED_2, TRAINED_3 = (
@@ -237,7 +215,7 @@ WRONG = [
 @pytest.mark.parametrize("exercise_id, source, lost", WRONG)
 def test_wrong_answer_loses_the_right_points_and_says_why(exercise_id, source, lost, ranks):
     items = check_exercise(exercise(exercise_id), source, ranks=ranks)
-    got = _lost(items)
+    got = failed_items(items)
     assert sorted(got) == sorted(lost), "\n".join(map(item_line, items))
     for name, phrase in lost.items():
         assert phrase in got[name], f"{name}: {got[name]!r} lacks {phrase!r}"
@@ -267,11 +245,4 @@ HANGS = [
 @pytest.mark.parametrize("exercise_id, source, phrases", HANGS)
 def test_an_answer_that_hangs_is_stopped_at_its_deadline_naming_the_rank_and_collective(
         exercise_id, source, phrases, ranks):
-    found = exercise(exercise_id)
-    first_run = dataclasses.replace(found, runs=found.runs[:1])  # 2 ranks
-    items = check_exercise(first_run, source, limits=Limits(run_timeout_s=HANG_S), ranks=ranks)
-    assert [item.score for item in items] == [0] * len(items)
-    for item in items:
-        assert item.message.startswith(f"did not finish within {HANG_S} s on 2 ranks ("), item.message
-        for phrase in phrases:
-            assert phrase in item.message, item.message
+    assert_hang_is_named(exercise_id, source, phrases, ranks, HANG_S)

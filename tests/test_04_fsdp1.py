@@ -19,17 +19,16 @@ import nbformat
 import pytest
 
 import grading_answers_04 as answers
+from exercise_checks import (
+    assert_full_marks, assert_hang_is_named, assert_stub_scores_zero_with_its_hint_once, failed_items, solution_hints)
 from exercise_notebooks import exercise_sections, markdown_cells
 from course_lib import theory
-from course_lib.grading.authoring import BEGIN_LINE
 from course_lib.grading.cells import EXERCISE_ID, exercise_cells
 from course_lib.grading.checker import check_exercise, preload_for, rank_set_for
-from course_lib.grading.gradescope import results_json
 from course_lib.grading.lesson04 import (
     ATOL, LR, MIN_NUMEL, RTOL, WRAP_A, WRAP_B, _linears, clip_reference, expected_units, flat_shard)
 from course_lib.grading.registry import exercise, exercises_of_lesson
 from course_lib.grading.report import item_line
-from course_lib.grading.spec import Limits
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK = "04_fsdp1.ipynb"
@@ -171,34 +170,13 @@ def test_the_exercises_fork_their_ranks_with_fsdp_imported(ranks):
 
 @pytest.mark.parametrize("exercise_id", IDS)
 def test_solution_scores_full_marks(exercise_id, ranks):
-    items = check_exercise(exercise(exercise_id), SOLUTIONS[exercise_id], ranks=ranks)
-    assert all(item.passed for item in items), "\n".join(map(item_line, items))
-    assert sum(item.score for item in items) == exercise(exercise_id).points > 0
-
-
-def _hints(answer_cell: str) -> list[str]:
-    """The hints on the solution cell's `### BEGIN SOLUTION hint: ...` lines (what its stubs raise)."""
-    return [m.group(1) for line in answer_cell.splitlines() if (m := BEGIN_LINE.fullmatch(line.strip()))]
+    assert_full_marks(exercise_id, SOLUTIONS[exercise_id], ranks=ranks)
 
 
 @pytest.mark.parametrize("exercise_id", IDS)
 def test_stub_scores_zero_and_says_what_to_write_once(exercise_id, ranks):
-    items = check_exercise(exercise(exercise_id), STUBS[exercise_id], ranks=ranks)
-    assert sum(item.score for item in items) == 0
-    (hint,) = _hints(SOLUTIONS[exercise_id])  # one answer region per cell
-    for item in items:
-        assert f"NotImplementedError: this part of {exercise_id} is not written yet" in item.message, item.message
-        assert item.message.startswith("rank "), item.message  # names the rank that raised
-        assert hint not in item.message and item.hint == hint
-    shown: set[str] = set()
-    report = "\n".join(item_line(item, shown) for item in items)
-    assert report.count(hint) == 1 and report.count("hint: ") == 1, report
-    tests = results_json({exercise_id: items}, extra={})["tests"]
-    assert [hint in test["output"] for test in tests] == [True] + [False] * (len(tests) - 1)
-
-
-def _lost(items) -> dict[str, str]:
-    return {item.name: item.message for item in items if not item.passed}
+    (hint,) = solution_hints(SOLUTIONS[exercise_id])  # one answer region per cell
+    assert_stub_scores_zero_with_its_hint_once(exercise_id, STUBS[exercise_id], hint, ranks=ranks)
 
 
 UNITS_2, UNITS_3 = ("the FSDP units: the root, each Block, stem.0 with exactly 1000 parameters (2 ranks)",
@@ -316,7 +294,7 @@ WRONG = [
 @pytest.mark.parametrize("exercise_id, source, lost", WRONG)
 def test_wrong_answer_loses_the_right_points_and_says_why(exercise_id, source, lost, ranks):
     items = check_exercise(exercise(exercise_id), source, ranks=ranks)
-    got = _lost(items)
+    got = failed_items(items)
     assert sorted(got) == sorted(lost), "\n".join(map(item_line, items))
     for name, phrase in lost.items():
         assert phrase in got[name], f"{name}: {got[name]!r} lacks {phrase!r}"
@@ -351,11 +329,4 @@ HANGS = [
 @pytest.mark.parametrize("exercise_id, source, phrases", HANGS)
 def test_an_answer_that_hangs_is_stopped_at_its_deadline_naming_the_rank_and_collective(
         exercise_id, source, phrases, ranks):
-    found = exercise(exercise_id)
-    first_run = dataclasses.replace(found, runs=found.runs[:1])  # 2 ranks
-    items = check_exercise(first_run, source, limits=Limits(run_timeout_s=HANG_S), ranks=ranks)
-    assert [item.score for item in items] == [0] * len(items)
-    for item in items:
-        assert item.message.startswith(f"did not finish within {HANG_S} s on 2 ranks ("), item.message
-        for phrase in phrases:
-            assert phrase in item.message, item.message
+    assert_hang_is_named(exercise_id, source, phrases, ranks, HANG_S)
