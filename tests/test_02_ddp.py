@@ -21,7 +21,7 @@ from exercise_checks import (
 from exercise_notebooks import exercise_sections, markdown_cells
 from course_lib.grading.cells import EXERCISE_ID, exercise_cells
 from course_lib.grading.checker import check_exercise, preload_for, rank_set_for
-from course_lib.grading.lesson02 import ATOL, FP16_ATOL, FP16_RTOL, LR, RTOL, greedy_buckets
+from course_lib.grading.lessons.lesson02.exercises import ATOL, FP16_ATOL, FP16_RTOL, LR, RTOL, greedy_buckets
 from course_lib.grading.registry import exercise, exercises_of_lesson
 from course_lib.grading.report import item_line
 from course_lib.units import binary_bytes

@@ -23,8 +23,8 @@ from exercise_checks import (
 from exercise_notebooks import exercise_sections, markdown_cells
 from course_lib.grading.cells import EXERCISE_ID, exercise_cells
 from course_lib.grading.checker import check_exercise, preload_for, rank_set_for
-from course_lib.grading.lesson02 import ATOL, RTOL, _batch, _sgd_step, _weights
-from course_lib.grading.lesson03 import ADAM_LR, LR, STATE_ATOL, STATE_RTOL, join_reference
+from course_lib.grading.lessons.lesson02.exercises import ATOL, RTOL, _batch, _sgd_step, _weights
+from course_lib.grading.lessons.lesson03.exercises import ADAM_LR, LR, STATE_ATOL, STATE_RTOL, join_reference
 from course_lib.grading.registry import exercise, exercises_of_lesson
 from course_lib.grading.report import item_line
 

@@ -25,7 +25,7 @@ from exercise_notebooks import exercise_sections, markdown_cells
 from course_lib import theory
 from course_lib.grading.cells import EXERCISE_ID, exercise_cells
 from course_lib.grading.checker import check_exercise, preload_for, rank_set_for
-from course_lib.grading.lesson04 import (
+from course_lib.grading.lessons.lesson04.exercises import (
     ATOL, LR, MIN_NUMEL, RTOL, WRAP_A, WRAP_B, _linears, clip_reference, expected_units, flat_shard)
 from course_lib.grading.registry import exercise, exercises_of_lesson
 from course_lib.grading.report import item_line
@@ -73,7 +73,7 @@ def _and(words: list[str]) -> str:
 
 def _linear_phrases(sizes: dict) -> list[str]:
     """"`stem.0 = Linear(9, 100)` (exactly 1000 parameters)": each Linear outside the Blocks, as the text says it."""
-    from course_lib.grading.drivers import wrap_model
+    from course_lib.grading.lessons.lesson04.drivers import wrap_model
 
     modules = dict(wrap_model(sizes).named_modules())
     phrases = []

@@ -25,7 +25,7 @@ from exercise_notebooks import exercise_sections, markdown_cells
 from course_lib import theory
 from course_lib.grading.cells import EXERCISE_ID, exercise_cells
 from course_lib.grading.checker import check_exercise, preload_for, rank_set_for
-from course_lib.grading.lesson05 import (
+from course_lib.grading.lessons.lesson05.exercises import (
     ATOL, FSDP2_OPS, LR, RTOL, TOY_2, TOY_3, _group_elements, _toy_weights, all_gather_elements, shard_rows)
 from course_lib.grading.registry import exercise, exercises_of_lesson
 from course_lib.grading.report import item_line

@@ -6,8 +6,9 @@
   notebooks (Gradescope results.json per submission, one CSV over all).
 - `python -m course_lib.grading.authoring` writes exercises/ from solutions/.
 
-Modules: spec (what an exercise is), lesson01 to lesson05 (the exercises and their judges),
-drivers + rank_runner (on the ranks), rank_set (the ranks of one submission,
+Modules: spec (what an exercise is), lessons/lessonNN/ (one lesson's exercises in one place:
+`exercises` holds specs, references and judges, `drivers` what runs on the ranks), drivers
+(finding a lesson's driver) + rank_runner (on the ranks), rank_set (the ranks of one submission,
 started once, reused run after run), stuck (who waits where at a deadline, yours or the
 checker's), checker (run and judge), registry (public
 and hidden checks), cells (finding answers), check (`cl.check`), report, grader

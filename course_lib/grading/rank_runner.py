@@ -55,7 +55,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from ..rank import ledger
 from ..rank.contract import CELL_LABEL, ENV_LAUNCH_MARK, ledger_file, stacks_file
-from .drivers import DRIVERS
+from .drivers import driver_for
 
 __all__ = ["EXIT_NO_FUNCTION", "PHASES", "phase_file", "serve"]
 
@@ -262,7 +262,7 @@ def _run_check(job: dict, rank: int, store) -> None:
     blocked = _BlockedOps(job["exercise"], job["allowed_ops"]) if job["allowed_ops"] is not None else None
 
     fn = phases.around(_load_function(os.path.join(job_dir, "submission.py"), job["function"], job["exercise"]))
-    driver = DRIVERS[job["driver"]]
+    driver = driver_for(job["exercise"], job["driver"])
     outputs, spans = [], []
     for args in cases:
         started = time.monotonic()

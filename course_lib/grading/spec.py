@@ -70,7 +70,7 @@ class Exercise:
     id: str
     function: str
     signature: str  # as shown to the learner, e.g. "ring_allreduce(tensor: torch.Tensor) -> None"
-    driver: str  # name of a function in course_lib.grading.drivers, run on every rank per case
+    driver: str  # name of a function in the lesson's drivers (lessons/lessonNN/drivers.py), run on every rank per case
     runs: tuple[RunSpec, ...]
     allowed_ops: frozenset[str] | None = None  # torch.distributed calls allowed; None: any
     # Calls each rank must be seen making (ledger) in every case, or nothing scores: an answer

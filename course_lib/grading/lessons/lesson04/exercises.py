@@ -19,8 +19,8 @@ from __future__ import annotations
 import io
 import math
 
-from .compare import first_difference
-from .spec import Exercise, Item, RunOutcome, RunSpec
+from ...compare import first_difference
+from ...spec import Exercise, Item, RunOutcome, RunSpec
 
 __all__ = ["ATOL", "EXERCISES", "FSDP1_OPS", "LR", "MIN_NUMEL", "RTOL", "expected_units", "flat_shard",
            "sgd_reference"]
@@ -90,7 +90,7 @@ def _linears(sizes: dict) -> dict[str, tuple[int, bool]]:
     """{name: (parameters, inside a Block)} of every Linear of wrap_model(sizes)."""
     import torch
 
-    from ..models import Block
+    from ....models import Block
     from .drivers import wrap_model
 
     model = wrap_model(sizes)
@@ -103,7 +103,7 @@ def _linears(sizes: dict) -> dict[str, tuple[int, bool]]:
 def expected_units(sizes: dict, min_numel: int = MIN_NUMEL, strictly_more: bool = False) -> list[str]:
     """The FSDP units of wrap_model(sizes) under the policy's rule: the root (""), every Block, every Linear
     outside a Block with at least `min_numel` parameters (more than, with `strictly_more`), in module order."""
-    from ..models import Block
+    from ....models import Block
     from .drivers import wrap_model
 
     linears = _linears(sizes)
@@ -316,7 +316,7 @@ def _toy(weights: dict):
 
 
 def _toy_case(n: int, weights_seed: int, rows: int, batch_seed: int, extra) -> dict[int, tuple]:
-    from ..models import ToyModel
+    from ....models import ToyModel
 
     weights = _weights(lambda: ToyModel(**TOY), weights_seed)
     inputs, targets = _batch(n * rows, TOY["dim"], TOY["out"], batch_seed)
@@ -428,7 +428,7 @@ CLIP = Exercise(
 
 
 def _save_case(n: int, weights_seed: int, steps: int, rows: int, batch_seed: int, index: int) -> dict[int, tuple]:
-    from ..models import ToyModel
+    from ....models import ToyModel
 
     weights = _weights(lambda: ToyModel(**TOY), weights_seed)
     inputs, targets = _batch(steps * n * rows, TOY["dim"], TOY["out"], batch_seed)
@@ -450,7 +450,7 @@ def _loaded(outcome: RunOutcome, case: int):
     """(a plain ToyModel that loaded rank 0's file with strict=True, "") or (None, what went wrong)."""
     import torch
 
-    from ..models import ToyModel
+    from ....models import ToyModel
 
     where = f"rank 0, {_save_label(outcome, case)}"
     described = outcome.results[case][0].output["file"]

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import math
 
-from ..theory import chunk_sizes, fsdp2_padded_shard_numel
-from ..vocabulary import data_flow
-from .compare import first_difference
-from .lesson04 import ATOL, LR, RTOL, _batch, _weights, sgd_reference
-from .spec import Exercise, Item, RunOutcome, RunSpec
+from ....theory import chunk_sizes, fsdp2_padded_shard_numel
+from ....vocabulary import data_flow
+from ...compare import first_difference
+from ..lesson04.exercises import ATOL, LR, RTOL, _batch, _weights, sgd_reference
+from ...spec import Exercise, Item, RunOutcome, RunSpec
 
 __all__ = ["ATOL", "EXERCISES", "FSDP2_OPS", "LR", "RTOL", "all_gather_elements", "shard_rows"]
 
@@ -67,7 +67,7 @@ def _toy(sizes: dict, weights: dict):
 
 
 def _toy_weights(sizes: dict, seed: int) -> dict:
-    from ..models import ToyModel
+    from ....models import ToyModel
 
     return _weights(lambda: ToyModel(**sizes), seed)
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import io
 
-from .compare import first_difference
-from .lesson02 import ATOL, DDP_PRELOAD, NAMES, RTOL, _batch, _grads, _model, _weights
-from .spec import Exercise, Item, RunOutcome, RunSpec
+from ...compare import first_difference
+from ..lesson02.exercises import ATOL, DDP_PRELOAD, NAMES, RTOL, _batch, _grads, _model, _weights
+from ...spec import Exercise, Item, RunOutcome, RunSpec
 
 __all__ = ["ADAM_LR", "ATOL", "EXERCISES", "LR", "RTOL", "STATE_ATOL", "STATE_RTOL", "adam_reference",
            "join_reference"]

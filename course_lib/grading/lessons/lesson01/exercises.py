@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import math
 
-from ..units import binary_bytes
-from ..vocabulary import RECEIVES, SENDS
-from .compare import bytes_sent, first_difference, ops_called
-from .spec import Exercise, Item, RunOutcome, RunSpec
+from ....units import binary_bytes
+from ....vocabulary import RECEIVES, SENDS
+from ...compare import bytes_sent, first_difference, ops_called
+from ...spec import Exercise, Item, RunOutcome, RunSpec
 
 __all__ = ["EXERCISES"]
 

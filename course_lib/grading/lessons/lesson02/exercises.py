@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import math
 
-from ..units import binary_bytes
-from .compare import first_difference
-from .spec import Exercise, Item, RunOutcome, RunSpec
+from ....units import binary_bytes
+from ...compare import first_difference
+from ...spec import Exercise, Item, RunOutcome, RunSpec
 
 __all__ = ["EXERCISES", "FP16_ATOL", "FP16_RTOL", "RTOL", "ATOL", "greedy_buckets"]
 

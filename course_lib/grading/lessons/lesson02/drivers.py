@@ -1,0 +1,140 @@
+"""The rank side of lesson 02: gradients and DDP: how each exercise calls the learner's function.
+
+Runs on the ranks, in the learner's process (see course_lib/grading/drivers.py for the rules
+every driver follows: copy the inputs, return plain data).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+import torch
+
+from ...drivers import describe
+
+__all__ = ['mlp_from_weights', 'average_gradients', 'in_place_list', 'ddp_accumulation', 'ddp_comm_hook']
+
+
+def mlp_from_weights(weights: list[torch.Tensor]) -> torch.nn.Sequential:
+    """Linear -> ReLU -> Linear holding copies of `weights` = [0.weight, 0.bias, 2.weight, 2.bias], float32.
+
+    The checker builds its single-process reference from the same call, so both hold the same values.
+    """
+    hidden, features = weights[0].shape
+    model = torch.nn.Sequential(torch.nn.Linear(features, hidden), torch.nn.ReLU(),
+                                torch.nn.Linear(hidden, weights[2].shape[0]))
+    with torch.no_grad():
+        for parameter, value in zip(model.parameters(), weights):
+            parameter.copy_(value)
+    return model
+
+
+def _copies(named: dict) -> dict:
+    """{name: a detached copy of the tensor, or None}: what a model holds, as plain data."""
+    return {name: None if t is None else t.detach().clone() for name, t in named.items()}
+
+
+def average_gradients(fn: Callable, weights: list, inputs: torch.Tensor, targets: torch.Tensor,
+                      frozen: list[str]) -> dict:
+    """This rank's backward on its shard (mse_loss), then fn(model): send back every .grad (None stays None)."""
+    model = mlp_from_weights(weights)
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(name not in frozen)
+    torch.nn.functional.mse_loss(model(inputs), targets).backward()
+    returned = fn(model)
+    return {"grads": _copies({n: p.grad for n, p in model.named_parameters()}), "returned": describe(returned)}
+
+
+def in_place_list(fn: Callable, tensors: list, *args) -> dict:
+    """fn(ts, *args) changes the tensors of list ts in place: send back those tensors afterwards.
+
+    The tensors given, not what the list holds afterwards: replacing an entry is not in place.
+    """
+    ts = [t.clone() for t in tensors]
+    given = list(ts)
+    returned = fn(ts, *args)
+    return {"tensors": [t.detach().clone() for t in given], "returned": describe(returned)}
+
+
+def _bucket_sizes(ddp_model) -> list[int]:
+    """Elements in each of DDP's gradient buckets, in the order it reduces them.
+
+    Read from the Reducer before the step: in its first iteration DDP puts every parameter
+    in one bucket (torch 2.13); it rebuilds them by gradient order at the next forward.
+    """
+    return [bucket.buffer().numel() for bucket in ddp_model.reducer._get_zeros_like_grad_buckets()]
+
+
+def ddp_accumulation(fn: Callable, weights: list, micro_batches: list, lr: float) -> dict:
+    """fn(ddp_model, SGD(lr), micro_batches) makes one step; DDP's all-reduces go through the stock
+    allreduce_hook, so the ledger records them. Send back the parameters and gradients afterwards."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = mlp_from_weights(weights)
+    ddp_model = DistributedDataParallel(model)
+    # The same all-reduce DDP's C++ Reducer would issue, issued from Python (and so recorded).
+    ddp_model.register_comm_hook(dist.group.WORLD, allreduce_hook)
+    buckets = _bucket_sizes(ddp_model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    returned = fn(ddp_model, optimizer, [tuple(pair) for pair in micro_batches])
+    return {"params": _copies(dict(model.named_parameters())),
+            "grads": _copies({n: p.grad for n, p in model.named_parameters()}),
+            "buckets": buckets, "returned": describe(returned)}
+
+
+# torch's own compression hooks: an exercise that asks for one written by hand refuses these.
+_TORCH_COMPRESSION = ("_compress_hook", "fp16_compress_hook", "bf16_compress_hook", "fp16_compress_wrapper",
+                      "bf16_compress_wrapper")
+
+
+def _torch_compression_in(fn: Callable) -> set[str]:
+    """torch's compression hooks that `fn` is, or that the module defining it holds (imported by name)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    inner = inspect.unwrap(fn)
+    found = set()
+    for value in [inner, *getattr(inner, "__globals__", {}).values()]:
+        # fp16_compress_wrapper(hook) returns a closure defined in default_hooks, named after it.
+        if getattr(value, "__module__", None) == default_hooks.__name__ and callable(value):
+            name = getattr(value, "__qualname__", "").split(".")[0]
+            if name in _TORCH_COMPRESSION:
+                found.add(name)
+    return found
+
+
+def ddp_comm_hook(fn: Callable, weights: list, inputs: torch.Tensor, targets: torch.Tensor) -> dict:
+    """DDP with fn as its communication hook (state None: the default group), one backward on this
+    rank's shard; send back the gradients, DDP's bucket sizes and any use of torch's own compression."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    used = _torch_compression_in(fn)
+    model = mlp_from_weights(weights)
+    ddp_model = DistributedDataParallel(model)
+
+    def hook(state, bucket):  # DDP checks a hook's parameter names and annotations: not the learner's
+        return fn(state, bucket)
+
+    ddp_model.register_comm_hook(None, hook)
+    buckets = _bucket_sizes(ddp_model)
+    # torch's hooks called through their module while the step runs (fp16_compress_hook calls _compress_hook).
+    saved = {name: getattr(default_hooks, name) for name in _TORCH_COMPRESSION}
+
+    def recording(name, original):
+        def recorded(*args, **kwargs):
+            used.add(name)
+            return original(*args, **kwargs)
+        return recorded
+
+    for name, original in saved.items():
+        setattr(default_hooks, name, recording(name, original))
+    try:
+        torch.nn.functional.mse_loss(ddp_model(inputs), targets).backward()
+    finally:
+        for name, original in saved.items():
+            setattr(default_hooks, name, original)
+    return {"grads": _copies({n: p.grad for n, p in model.named_parameters()}), "buckets": buckets,
+            "torch_compression": sorted(used)}

@@ -1,0 +1,135 @@
+"""The rank side of lesson 03: uneven inputs, Join, ZeRO: how each exercise calls the learner's function.
+
+Runs on the ranks, in the learner's process (see course_lib/grading/drivers.py for the rules
+every driver follows: copy the inputs, return plain data).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+import torch
+
+from ...drivers import describe
+from ..lesson02.drivers import _copies, mlp_from_weights
+
+__all__ = ['ddp_join_training', 'counting_joinable', 'zero_save']
+
+
+class _JoinAwareAveraging:
+    """State of `_join_aware_allreduce`: the DDP model and the work of its latest forward's join notice."""
+
+    def __init__(self, ddp_model):
+        self.ddp_model = ddp_model
+        self.forward_work = None  # Join.notify_join_context's all_reduce of ones: how many ranks still train
+
+
+def _join_aware_allreduce(state, bucket):  # no annotations: DDP checks them, and they are strings here
+    """DDP's own averaging of a gradient bucket, issued from Python so that the ledger records it.
+
+    The sum over the ranks (`dist.all_reduce`, blocking: a rank that waits in it is named at a
+    deadline), divided as DDP's C++ Reducer divides: by the initial world size, or, after
+    `Join([ddp], divide_by_initial_world_size=False)`, by the ranks that have not joined (the result
+    of the forward's join notice). torch's stock `allreduce_hook` always divides by the world size,
+    so it would hide that option. A joined rank calls this too (DDP's join hook), with zeros.
+    """
+    import torch.distributed as dist
+
+    buffer = bucket.buffer()
+    divisor = dist.get_world_size()
+    work = state.forward_work
+    if work is not None and not getattr(state.ddp_model, "_divide_by_initial_world_size", True):
+        work.wait()
+        divisor = int(work.result()[0].item())
+    buffer.div_(divisor)
+    dist.all_reduce(buffer)
+    future = torch.futures.Future()
+    future.set_result(buffer)
+    return future
+
+
+def ddp_join_training(fn: Callable, weights: list, batches: list, lr: float) -> dict:
+    """fn(ddp_model, SGD(lr), batches) trains on this rank's batches (their number differs per rank).
+
+    DDP averages through `_join_aware_allreduce`; while fn runs, DDP's module sees a Join whose join
+    notice also tells that hook how many ranks still train. Send back the parameters afterwards.
+    """
+    import torch.distributed as dist
+    import torch.nn.parallel.distributed as ddp_module
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = mlp_from_weights(weights)
+    ddp_model = DistributedDataParallel(model)
+    state = _JoinAwareAveraging(ddp_model)
+    ddp_model.register_comm_hook(state, _join_aware_allreduce)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    join = ddp_module.Join  # DDP's forward calls Join.notify_join_context(self) through this name
+
+    class NoticeKeepingJoin(join):
+        @staticmethod
+        def notify_join_context(joinable):
+            work = join.notify_join_context(joinable)
+            if joinable is ddp_model:
+                state.forward_work = work
+            return work
+
+    ddp_module.Join = NoticeKeepingJoin
+    try:
+        returned = fn(ddp_model, optimizer, [tuple(pair) for pair in batches])
+    finally:
+        ddp_module.Join = join
+    return {"params": _copies(dict(model.named_parameters())), "returned": describe(returned)}
+
+
+def counting_joinable(fn: Callable, iterations: int) -> dict:
+    """`fn` is the learner's Joinable class: counter = fn(); with Join([counter]) (torch's, imported
+    here), call counter() `iterations` times (the number differs per rank). Send back counter.count
+    and counter.is_last_joiner afterwards. The whole block counts as the learner's code for a deadline."""
+    from torch.distributed.algorithms.join import Join, Joinable
+
+    cls = inspect.unwrap(fn)
+    with fn.learner_code():
+        counter = cls()
+        if not isinstance(counter, Joinable):
+            return {"not_joinable": describe(counter)}
+        with Join([counter]):
+            for _ in range(iterations):
+                counter()
+    count = getattr(counter, "count", None)
+    if isinstance(count, torch.Tensor) and count.numel() == 1:
+        count = float(count.item())
+    elif not isinstance(count, (int, float)) or isinstance(count, bool):
+        count = describe(count)
+    last = getattr(counter, "is_last_joiner", None)
+    return {"count": float(count) if isinstance(count, int) else count,
+            "is_last_joiner": last if isinstance(last, bool) or last is None else describe(last)}
+
+
+def zero_save(fn: Callable, weights: list, steps: list, lr: float, file_name: str) -> dict:
+    """DDP and ZeroRedundancyOptimizer(Adam, lr) take one step per (inputs, targets) of `steps` (this
+    rank's shard), then fn(optimizer, path) saves; `path` is `file_name` in the run's working folder,
+    the same on every rank. Send back the bytes rank 0 finds at `path` right after fn returns."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = mlp_from_weights(weights)
+    ddp_model = DistributedDataParallel(model)
+    ddp_model.register_comm_hook(dist.group.WORLD, allreduce_hook)  # the ledger records the all-reduces
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=lr)
+    for inputs, targets in steps:
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(ddp_model(inputs), targets).backward()
+        optimizer.step()
+    path = os.path.join(os.getcwd(), file_name)
+    returned = fn(optimizer, path)
+    saved = None
+    if dist.get_rank() == 0 and os.path.isfile(path):
+        with open(path, "rb") as handle:
+            data = handle.read()
+        saved = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+    return {"saved": saved, "returned": describe(returned)}

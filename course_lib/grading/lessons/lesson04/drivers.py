@@ -1,0 +1,204 @@
+"""The rank side of lesson 04: FullyShardedDataParallel (FSDP1): how each exercise calls the learner's function.
+
+Runs on the ranks, in the learner's process (see course_lib/grading/drivers.py for the rules
+every driver follows: copy the inputs, return plain data).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ...drivers import describe
+
+__all__ = ['wrap_model', 'toy_from_weights', 'fsdp_wrap_policy', 'fsdp_flat_shard', 'fsdp_clip', 'fsdp_save']
+
+
+def _fsdp(model: torch.nn.Module, **kwargs):
+    """FSDP1 (FULL_SHARD, use_orig_params=False: its defaults) over the default group, on the CPU."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return FSDP(model, device_id=torch.device("cpu"), **kwargs)  # without device_id FSDP1 asks for a GPU
+
+
+def wrap_model(sizes: dict) -> torch.nn.Module:
+    """04.wrap_policy's model: stem (Linear(features, width) -> ReLU -> Linear(width, dim)), `layers` Blocks
+    (course_lib.models.Block(dim, hidden)), head Linear(dim, out). (batch, features) -> (batch, out)."""
+    from ....models import Block
+
+    class WrapModel(torch.nn.Module):
+        def __init__(self, features: int, width: int, dim: int, hidden: int, layers: int, out: int):
+            super().__init__()
+            self.stem = torch.nn.Sequential(torch.nn.Linear(features, width), torch.nn.ReLU(),
+                                            torch.nn.Linear(width, dim))
+            self.blocks = torch.nn.ModuleList(Block(dim, hidden) for _ in range(layers))
+            self.head = torch.nn.Linear(dim, out)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.stem(x)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    return WrapModel(**sizes)
+
+
+def toy_from_weights(sizes: dict, weights: dict) -> torch.nn.Module:
+    """course_lib.models.ToyModel(**sizes) holding copies of `weights` (a state dict)."""
+    from ....models import ToyModel
+
+    model = ToyModel(**sizes)
+    model.load_state_dict(weights)
+    return model
+
+
+def _full_params(fsdp_model) -> dict:
+    """{name: parameter}, the whole of each, gathered (summon_full_params all-gathers every unit's shards)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from ....measure.sharding import clean_name
+
+    with FSDP.summon_full_params(fsdp_model, writeback=False):
+        return {clean_name(n): p.detach().clone() for n, p in fsdp_model.named_parameters()}
+
+
+def _sgd(fsdp_model, steps: list, lr: float) -> None:
+    optimizer = torch.optim.SGD(fsdp_model.parameters(), lr=lr)
+    for inputs, targets in steps:
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(fsdp_model(inputs), targets).backward()
+        optimizer.step()
+
+
+def fsdp_wrap_policy(fn: Callable, sizes: dict, weights: dict, inputs: torch.Tensor, targets: torch.Tensor,
+                     lr: float) -> dict:
+    """FSDP(wrap_model(sizes), auto_wrap_policy=fn), then one SGD(lr) step on this rank's shard of the batch.
+    Send back the names of the modules that became FSDP units and the whole parameters after the step."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from ....measure.sharding import clean_name
+
+    model = wrap_model(sizes)
+    model.load_state_dict(weights)
+
+    def policy(module, recurse, nonwrapped_numel):  # FSDP calls it with keywords: not the learner's names
+        return fn(module, recurse, nonwrapped_numel)
+
+    fsdp_model = _fsdp(model, auto_wrap_policy=policy)
+    units = [clean_name(name) for name, module in fsdp_model.named_modules() if isinstance(module, FSDP)]
+    _sgd(fsdp_model, [(inputs, targets)], lr)
+    return {"units": units, "params": _full_params(fsdp_model)}
+
+
+def fsdp_flat_shard(fn: Callable, shapes: list) -> dict:
+    """FSDP over one module holding parameters of `shapes` (one unit, one FlatParameter); send back
+    fn(numels, world_size) and what this rank's shard really holds (measure.sharding reads it)."""
+    import math
+
+    import torch.distributed as dist
+
+    from ....measure.sharding import sharding_of
+
+    module = torch.nn.Module()
+    for index, shape in enumerate(shapes):
+        module.register_parameter(f"p{index}", torch.nn.Parameter(torch.zeros(shape)))
+    flat = sharding_of(_fsdp(module))["flat"][0]
+    returned = fn([math.prod(shape) for shape in shapes], dist.get_world_size())
+    if isinstance(returned, (list, tuple)) and len(returned) == 2 and \
+            all(isinstance(x, int) and not isinstance(x, bool) for x in returned):
+        answer = [int(x) for x in returned]
+    else:
+        answer = describe(returned) + (f" of {len(returned)}" if isinstance(returned, (list, tuple)) else "")
+    return {"answer": answer, "shard_numel": flat["shard_numel"], "padding": flat["padding"],
+            "unsharded_numel": flat["unsharded_numel"]}
+
+
+def _flat_units(fsdp_model) -> list:
+    """One dict per FlatParameter this rank holds: measure.sharding's layout and the flat gradient's shard."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from ....measure.sharding import sharding_of
+
+    flats = sharding_of(fsdp_model)["flat"]
+    handles = [m._handle for m in fsdp_model.modules() if isinstance(m, FSDP) and m._handle is not None]
+    for flat, handle in zip(flats, handles):  # both in named_modules order
+        grad = handle.flat_param.grad
+        flat["grad"] = None if grad is None else grad.detach().clone()
+    return flats
+
+
+def fsdp_clip(fn: Callable, sizes: dict, weights: dict, inputs: torch.Tensor, targets: torch.Tensor,
+              max_norm: float) -> dict:
+    """FSDP(ToyModel, one unit per Block) and one backward on this rank's shard of the batch; then
+    fn(fsdp_model, max_norm). Send back what fn returned (a number), this rank's own shard norm before
+    the call and every FlatParameter's gradient shard afterwards."""
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from ....models import Block
+
+    fsdp_model = _fsdp(toy_from_weights(sizes, weights), auto_wrap_policy=ModuleWrapPolicy({Block}))
+    torch.nn.functional.mse_loss(fsdp_model(inputs), targets).backward()
+    local = torch.stack([p.grad.double().square().sum() for p in fsdp_model.parameters()]).sum().sqrt()
+    returned = fn(fsdp_model, max_norm)
+    if isinstance(returned, torch.Tensor) and returned.numel() == 1:
+        norm = float(returned.item())
+    elif isinstance(returned, (int, float)) and not isinstance(returned, bool):
+        norm = float(returned)
+    else:
+        norm = describe(returned)
+    return {"norm": norm, "local_norm": float(local), "flats": _flat_units(fsdp_model)}
+
+
+def _describe_file(path: str) -> dict | None:
+    """What a file holds, as plain data: its bytes and, read here (in the learner's process, where its
+    classes live), its keys and value types. None if there is no file."""
+    import os
+
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as handle:
+        data = handle.read()
+    described = {"bytes": torch.frombuffer(bytearray(data), dtype=torch.uint8) if data
+                 else torch.zeros(0, dtype=torch.uint8)}
+    try:
+        state = torch.load(path, weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - not a file torch.save wrote
+        described["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        return described
+    if isinstance(state, dict):
+        described["keys"] = [str(k) for k in state]
+        described["types"] = sorted({type(v).__name__ for v in state.values()})
+    else:
+        described["type"] = describe(state)
+    return described
+
+
+def fsdp_save(fn: Callable, sizes: dict, weights: dict, steps: list, lr: float, file_name: str) -> dict:
+    """FSDP(ToyModel, one unit per Block) takes one SGD(lr) step per (inputs, targets) of `steps` (this
+    rank's shard); then fn(fsdp_model, path), `path` being `file_name` in a folder of this rank's own.
+    Send back what each rank finds at its path right after fn returns."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from ....models import Block
+
+    fsdp_model = _fsdp(toy_from_weights(sizes, weights), auto_wrap_policy=ModuleWrapPolicy({Block}))
+    _sgd(fsdp_model, [tuple(pair) for pair in steps], lr)
+    folder = os.path.join(os.getcwd(), f"rank{dist.get_rank()}")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, file_name)
+    try:
+        returned = fn(fsdp_model, path)
+    except RuntimeError as exc:
+        # NOTE: FullStateDictConfig(offload_to_cpu=True) on a model already on the CPU frees the gathered
+        # parameters before state_dict() reads them (torch 2.13: https://github.com/pytorch/pytorch/issues/188989);
+        # torch's message names only a storage size.
+        if "out of bounds for storage of size 0" not in str(exc):
+            raise
+        raise RuntimeError(f"{str(exc).splitlines()[0]}: FullStateDictConfig(offload_to_cpu=True) on a model on the "
+                           "CPU frees the gathered parameters before they are read (pytorch/pytorch#188989); "
+                           "offload only from a GPU (offload_to_cpu=False here)") from exc
+    return {"file": _describe_file(path), "returned": describe(returned)}
