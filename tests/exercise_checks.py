@@ -1,5 +1,5 @@
 """The checks every lesson's exercise tests make (tests/test_0N_*.py): a solution scores full marks, a
-stub scores zero and shows its hint once, a hanging answer is stopped at its deadline naming the rank
+stub scores zero and Gradescope's results show the exercise's first hint once, a hanging answer is stopped at its deadline naming the rank
 and the collective. Each runs `check_exercise` on real ranks (`ranks`: the module's shared rank set,
 or None for a fresh one per run)."""
 
@@ -7,17 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from course_lib.grading.authoring import BEGIN_LINE
 from course_lib.grading.checker import check_exercise
 from course_lib.grading.gradescope import results_json
 from course_lib.grading.registry import exercise
 from course_lib.grading.report import item_line
 from course_lib.grading.spec import Limits
-
-
-def solution_hints(answer_cell: str) -> list[str]:
-    """The hints on the solution cell's `### BEGIN SOLUTION hint: ...` lines (what its stubs raise), in order."""
-    return [m.group(1) for line in answer_cell.splitlines() if (m := BEGIN_LINE.fullmatch(line.strip()))]
 
 
 def failed_items(items) -> dict[str, str]:
@@ -31,20 +25,19 @@ def assert_full_marks(exercise_id: str, answer: str, ranks=None) -> None:
     assert sum(item.score for item in items) == exercise(exercise_id).points > 0
 
 
-def assert_stub_scores_zero_with_its_hint_once(exercise_id: str, stub: str, hint: str, ranks=None) -> None:
-    """Every item fails on the stub's NotImplementedError, named by rank; the hint rides on the item,
-    not in its message, and the report (as cl.check prints it) and Gradescope's results show it once."""
-    items = check_exercise(exercise(exercise_id), stub, ranks=ranks)
+def assert_stub_scores_zero_with_its_first_hint_once(exercise_id: str, stub: str, ranks=None) -> None:
+    """Every item fails on the stub's NotImplementedError, named by rank, with no hint in its message;
+    Gradescope's results show the exercise's first hint (the lesson's section) once."""
+    found = exercise(exercise_id)
+    assert len(found.hints) == 3, f"{exercise_id}: hints are three levels (section, API, approach)"
+    items = check_exercise(found, stub, ranks=ranks)
     assert sum(item.score for item in items) == 0
     for item in items:
         assert f"NotImplementedError: this part of {exercise_id} is not written yet" in item.message, item.message
         assert item.message.startswith("rank "), item.message  # names the rank that raised
-        assert hint not in item.message and item.hint == hint
-    shown: set[str] = set()
-    report = "\n".join(item_line(item, shown) for item in items)
-    assert report.count(hint) == 1 and report.count("hint: ") == 1, report
-    tests = results_json({exercise_id: items}, extra={})["tests"]
-    assert [hint in test["output"] for test in tests] == [True] + [False] * (len(tests) - 1)
+        assert not any(hint in item.message for hint in found.hints)
+    tests = results_json({exercise_id: items}, extra={}, hints={exercise_id: found.hints[0]})["tests"]
+    assert [found.hints[0] in test["output"] for test in tests] == [True] + [False] * (len(tests) - 1)
 
 
 def assert_hang_is_named(exercise_id: str, source: str, phrases: list[str], ranks, hang_s: float) -> None:

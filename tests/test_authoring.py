@@ -11,7 +11,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-from course_lib.grading.authoring import REPO_ROOT, exercise_from_solution, generate_all, main
+from course_lib.grading.authoring import REPO_ROOT, MarkerError, exercise_from_solution, generate_all, main
 
 RING_CELL = textwrap.dedent('''\
     %%exercise 01.ring_allreduce
@@ -21,7 +21,7 @@ RING_CELL = textwrap.dedent('''\
     def ring_allreduce(x):
         """Sum x over ranks."""
         rank = 0  # kept: outside the region
-        ### BEGIN SOLUTION hint: pass each chunk to the right
+        ### BEGIN SOLUTION
         for step in range(3):
             x = x + step
         ### END SOLUTION
@@ -52,7 +52,7 @@ def _run_stub(cell_source, function_name, *args):
 
 # --- regions become stubs ---------------------------------------------------------------
 
-def test_region_becomes_stub_at_begin_indentation_with_hint():
+def test_region_becomes_stub_at_begin_indentation_without_a_hint():
     source = _exercise_cell(RING_CELL).source
     assert source == textwrap.dedent('''\
         %%exercise 01.ring_allreduce
@@ -62,22 +62,29 @@ def test_region_becomes_stub_at_begin_indentation_with_hint():
         def ring_allreduce(x):
             """Sum x over ranks."""
             rank = 0  # kept: outside the region
-            raise NotImplementedError("01.ring_allreduce: pass each chunk to the right")
+            raise NotImplementedError("01.ring_allreduce: your code here")
             return x
     ''')
 
 
-def test_default_hint_when_begin_has_none():
-    source = "%%exercise 02.fsdp\ndef f():\n    ### BEGIN SOLUTION\n    return 1\n    ### END SOLUTION\n"
-    assert _exercise_cell(source).source == (
-        '%%exercise 02.fsdp\ndef f():\n    raise NotImplementedError("02.fsdp: write this part")\n')
+def test_a_hint_in_a_stub_is_refused_in_one_line():
+    source = "%%exercise 02.fsdp\ndef f():\n    ### BEGIN SOLUTION hint: use dist.send\n    return 1\n    ### END SOLUTION\n"
+    with pytest.raises(MarkerError, match=r"^nb, cell 0, line 3: a stub holds no hint: put hints in the exercise's Exercise.hints"):
+        _exercise_cell(source, name="nb")
+
+
+def test_an_id_whose_stub_message_would_pass_62_characters_is_refused():
+    long_id = "02." + "x" * 50
+    source = f"%%exercise {long_id}\ndef f():\n    ### BEGIN SOLUTION\n    return 1\n    ### END SOLUTION\n"
+    with pytest.raises(MarkerError, match="at most 62"):
+        _exercise_cell(source)
 
 
 def test_two_regions_in_one_cell_keep_the_code_between_them():
     source = textwrap.dedent("""\
         %%exercise 03.two_parts
         def first():
-            ### BEGIN SOLUTION hint: part one
+            ### BEGIN SOLUTION
             return 1
             ### END SOLUTION
 
@@ -92,30 +99,22 @@ def test_two_regions_in_one_cell_keep_the_code_between_them():
     assert _exercise_cell(source).source == textwrap.dedent("""\
         %%exercise 03.two_parts
         def first():
-            raise NotImplementedError("03.two_parts: part one")
+            raise NotImplementedError("03.two_parts: your code here")
 
         SHARED = 'kept verbatim'
 
         def second():
             if True:
-                raise NotImplementedError("03.two_parts: write this part")
+                raise NotImplementedError("03.two_parts: your code here")
     """)
 
 
-def test_stub_raises_not_implemented_with_id_and_hint_when_called():
+def test_stub_raises_not_implemented_with_its_id_when_called():
     source = _exercise_cell(RING_CELL).source
-    with pytest.raises(NotImplementedError, match=r"^01\.ring_allreduce: pass each chunk to the right$"):
+    with pytest.raises(NotImplementedError, match=r"^01\.ring_allreduce: your code here$"):
         _run_stub(source, "ring_allreduce", 1)
     # The solution cell itself runs: the stub replaced working code, not broken code.
     assert _run_stub(RING_CELL, "ring_allreduce", 1) == 4
-
-
-def test_hint_with_quotes_and_backslash_is_quoted_safely():
-    hint = """use "send" and 'recv' \\ then wait"""
-    source = f"%%exercise 04.quotes\ndef f():\n    ### BEGIN SOLUTION hint: {hint}\n    pass\n    ### END SOLUTION\n"
-    with pytest.raises(NotImplementedError) as raised:
-        _run_stub(_exercise_cell(source).source, "f")
-    assert str(raised.value) == f"04.quotes: {hint}"
 
 
 # --- which cells are kept, cleared, tagged ------------------------------------------------

@@ -7,15 +7,20 @@
 cell is a code cell whose first line is `%%exercise NN.name`; inside it, each
 answer region
 
-    ### BEGIN SOLUTION hint: use dist.send and dist.recv
+    ### BEGIN SOLUTION
     ...the answer...
     ### END SOLUTION
 
 becomes one line at the BEGIN marker's indentation:
 
-    raise NotImplementedError("01.ring_allreduce: use dist.send and dist.recv")
+    raise NotImplementedError("01.ring_allreduce: your code here")
 
-Cells tagged `solution-only` are dropped. Answer cells and cells that call
+A stub holds no recipe: `### BEGIN SOLUTION hint: ...` is refused. Hints are the
+exercise's (`Exercise.hints` in course_lib/grading/lessons/), shown by the check
+after a failure, one level at a time. Cells tagged `solution-only` (answers'
+explanations, the summary of what the exercises taught) are dropped.
+
+Answer cells and cells that call
 `cl.check(` lose their outputs and get the `nbval-ignore-output` tag; every
 other cell is copied unchanged. The layout follows nbgrader's BEGIN/END
 SOLUTION convention.
@@ -33,7 +38,7 @@ from pathlib import Path
 import nbformat
 from nbformat import NotebookNode
 
-from .cells import EXERCISE_ID, stub_message
+from .cells import EXERCISE_ID, MAX_STUB_MESSAGE, stub_message
 
 __all__ = ["MarkerError", "exercise_from_solution", "generate_all", "main"]
 
@@ -42,8 +47,6 @@ NOTEBOOK_GLOB = "[0-9][0-9]_*.ipynb"
 
 BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"
-BEGIN_LINE = re.compile(r"### BEGIN SOLUTION(?:\s+hint:\s*(.*\S))?")
-DEFAULT_HINT = "write this part"
 SOLUTION_ONLY_TAG = "solution-only"
 IGNORE_OUTPUT_TAG = "nbval-ignore-output"
 CHECK_CALL = "cl.check("
@@ -78,20 +81,21 @@ def _exercise_id(cell: NotebookNode, where: str) -> str | None:
     return words[1]
 
 
-def _marker(line: str, where: str, number: int) -> tuple[str | None, str | None]:
-    """("begin", hint or None), ("end", None) or (None, None) for one source line."""
+def _marker(line: str, where: str, number: int) -> str | None:
+    """"begin", "end" or None for one source line."""
     text = line.strip()
     if text.startswith(BEGIN):
-        match = BEGIN_LINE.fullmatch(text)
-        if match is None:
-            raise _fail(where, number, f"malformed marker {text!r}: expected '{BEGIN}' "
-                                       f"or '{BEGIN} hint: <text>'")
-        return "begin", match.group(1)
+        if text.startswith(f"{BEGIN} hint:"):
+            raise _fail(where, number, "a stub holds no hint: put hints in the exercise's Exercise.hints "
+                                       "(course_lib/grading/lessons/), which the check shows after a failure")
+        if text != BEGIN:
+            raise _fail(where, number, f"malformed marker {text!r}: expected '{BEGIN}'")
+        return "begin"
     if text.startswith(END):
         if text != END:
             raise _fail(where, number, f"malformed marker {text!r}: expected '{END}'")
-        return "end", None
-    return None, None
+        return "end"
+    return None
 
 
 def _py_string(text: str) -> str:
@@ -103,11 +107,14 @@ def _py_string(text: str) -> str:
     return literal
 
 
-def _stub(begin_line: str, exercise_id: str, hint: str | None) -> str:
+def _stub(begin_line: str, exercise_id: str, where: str) -> str:
     """The `raise NotImplementedError(...)` line that replaces one region."""
     indent = begin_line[: len(begin_line) - len(begin_line.lstrip())]
     ending = begin_line[len(begin_line.rstrip("\r\n")):]  # keep the cell's own line ending
-    message = stub_message(exercise_id, hint or DEFAULT_HINT)
+    message = stub_message(exercise_id)
+    if len(message) > MAX_STUB_MESSAGE:
+        raise _fail(where, None, f"exercise id {exercise_id} is too long: its stub's message would have "
+                                 f"{len(message)} characters (at most {MAX_STUB_MESSAGE})")
     return f"{indent}raise NotImplementedError({_py_string(message)}){ending}"
 
 
@@ -117,13 +124,13 @@ def _strip_regions(source: str, exercise_id: str, where: str) -> str:
     begin_at: int | None = None  # 1-based line of the open BEGIN, None outside a region
     regions = 0
     for number, line in enumerate(source.splitlines(keepends=True), start=1):
-        kind, hint = _marker(line, where, number)
+        kind = _marker(line, where, number)
         if kind == "begin":
             if begin_at is not None:
                 raise _fail(where, number, f"nested {BEGIN} (the region opened on line "
                                            f"{begin_at} has no {END} before it)")
             begin_at = number
-            out.append(_stub(line, exercise_id, hint))
+            out.append(_stub(line, exercise_id, where))
         elif kind == "end":
             if begin_at is None:
                 raise _fail(where, number, f"{END} without {BEGIN}")
@@ -141,7 +148,7 @@ def _strip_regions(source: str, exercise_id: str, where: str) -> str:
 def _reject_markers(cell: NotebookNode, where: str) -> None:
     """Raise if a cell that is not an answer cell holds a SOLUTION marker (it would leak)."""
     for number, line in enumerate(_source(cell).splitlines(), start=1):
-        if _marker(line, where, number)[0] is not None:
+        if _marker(line, where, number) is not None:
             raise _fail(where, number, "SOLUTION marker in a cell that is not a %%exercise "
                                        "code cell (its first line must be '%%exercise NN.name')")
 

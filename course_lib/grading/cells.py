@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 __all__ = ["EXERCISE_ID", "EXERCISE_LINE", "exercise_cells", "parse_exercise_line", "remember", "remembered",
-           "stub_hint", "stub_message"]
+           "is_stub_error", "stub_message", "MAX_STUB_MESSAGE", "STUB_TEXT"]
 
 EXERCISE_ID = re.compile(r"\d\d\.[a-z0-9_]+")  # lesson number, a dot, a name: 01.ring_allreduce
 EXERCISE_LINE = re.compile(rf"^%%exercise\s+({EXERCISE_ID.pattern})\s*$")
@@ -36,17 +36,20 @@ def exercise_cells(nb) -> dict[str, str]:
     return found
 
 
-def stub_message(exercise_id: str, hint: str) -> str:
-    """What an exercise notebook's stub raises: `NotImplementedError("01.ring_allreduce: <hint>")` (authoring.py)."""
-    return f"{exercise_id}: {hint}"
+STUB_TEXT = "your code here"
+MAX_STUB_MESSAGE = 62  # characters: room for the id and STUB_TEXT, none for a recipe
 
 
-def stub_hint(error_line: str, exercise_id: str) -> str | None:
-    """The hint in the last line of a stub's traceback, "NotImplementedError: <id>: <hint>"; None for any other error."""
-    prefix = f"NotImplementedError: {stub_message(exercise_id, '')}"
-    if not error_line.startswith(prefix):
-        return None
-    return error_line[len(prefix):].strip() or None
+def stub_message(exercise_id: str) -> str:
+    """What an exercise notebook's stub raises: `NotImplementedError("01.ring_allreduce: your code here")`.
+
+    It holds no hint: hints come from the check, after a failure (Exercise.hints)."""
+    return f"{exercise_id}: {STUB_TEXT}"
+
+
+def is_stub_error(error_line: str, exercise_id: str) -> bool:
+    """Whether the last line of a traceback is the stub's, "NotImplementedError: <id>: your code here"."""
+    return error_line.strip() == f"NotImplementedError: {stub_message(exercise_id)}"
 
 
 def remember(exercise_id: str, source: str) -> None:

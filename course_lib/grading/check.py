@@ -6,10 +6,13 @@ from ..errors import OneLineError
 from .cells import remembered
 from .checker import check_exercise
 from .registry import UnknownExercise, exercise
-from .report import item_line, score_text
+from .report import hint_line, item_line, score_text
 from .spec import ItemResult
 
 __all__ = ["CheckError", "CheckReport", "check"]
+
+
+_failed_checks: dict[str, int] = {}  # exercise id -> checks of it that failed in this kernel
 
 
 class CheckError(OneLineError):
@@ -49,9 +52,12 @@ def check(exercise_id: str) -> CheckReport:
     sizes = sorted({run.nproc for run in found.runs})
     runs = f"{len(found.runs)} run{'s' if len(found.runs) != 1 else ''}"
     print(f"{exercise_id}: {runs} on real ranks (gloo, {' and '.join(map(str, sizes))} ranks)", flush=True)
-    hints_shown: set[str] = set()  # a stub fails every item with the same hint: print it once
-    items = check_exercise(found, source, on_item=lambda item: print(item_line(item, hints_shown), flush=True))
+    items = check_exercise(found, source, on_item=lambda item: print(item_line(item), flush=True))
     report = CheckReport(exercise_id, items)
     verdict = "all checks pass" if report.passed else "not yet"
     print(f"{exercise_id}: {score_text(report.score, report.max_score)} points, {verdict}")
+    if not report.passed and found.hints:
+        # One level more after each failed check of this kernel: section, then API, then approach.
+        print(hint_line(found.hints, _failed_checks.get(exercise_id, 0)))
+        _failed_checks[exercise_id] = _failed_checks.get(exercise_id, 0) + 1
     return report

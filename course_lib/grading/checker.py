@@ -20,7 +20,7 @@ import signal
 import tempfile
 
 from ..launcher.torchrun import LaunchResult
-from .cells import stub_hint
+from .cells import is_stub_error
 from .rank_runner import EXIT_NO_FUNCTION
 from .rank_server import RankServer
 from .rank_set import RankSet
@@ -97,7 +97,7 @@ def _check_run(exercise: Exercise, run: RunSpec, cell_source: str, limits: Limit
         (job_dir / "work").mkdir()  # the ranks' working directory: whatever they write lands here
         launch = ranks.run(job, run.nproc, timeout_s)
         output = _trimmed_output(launch)
-        failure, hint = _launch_failure(exercise, run, launch, timeout_s, limits)
+        failure = _launch_failure(exercise, run, launch, timeout_s, limits)
         outcome = None if failure else _load_outcome(job_dir, run, inputs, launch)
         if outcome is None and not failure:
             failure = "the ranks finished but did not all send their results back"
@@ -109,7 +109,7 @@ def _check_run(exercise: Exercise, run: RunSpec, cell_source: str, limits: Limit
     items = []
     for item in run.items:
         if failure:
-            items.append(ItemResult(item.name, 0.0, item.points, failure, output, run.hidden, hint=hint))
+            items.append(ItemResult(item.name, 0.0, item.points, failure, output, run.hidden))
             continue
         try:
             problems = item.judge(outcome)
@@ -159,25 +159,24 @@ _CELL_LINE = re.compile(r'File "<cell>", line (\d+)')
 
 
 def _launch_failure(exercise: Exercise, run: RunSpec, launch: LaunchResult, timeout_s: float,
-                    limits: Limits) -> tuple[str, str]:
-    """Why a run did not finish normally, in one line naming the rank ("" if it did), and the
-    exercise's hint if the rank raised from the exercise notebook's stub ("" otherwise)."""
+                    limits: Limits) -> str:
+    """Why a run did not finish normally, in one line naming the rank ("" if it did)."""
     if launch.timed_out:
         stuck = "; ".join(launch.diagnosis) if launch.diagnosis else "ranks " + ", ".join(map(str, launch.unfinished))
-        return f"did not finish within {timeout_s:g} s on {run.nproc} ranks ({stuck})", ""
+        return f"did not finish within {timeout_s:g} s on {run.nproc} ranks ({stuck})"
     if launch.ok:
-        return "", ""
+        return ""
     rank = launch.root_cause if launch.root_cause is not None else (launch.failed or [0])[0]
     code = launch.exit_codes.get(rank)
     err = launch.stderr.get(rank, "")
     lines = [ln.strip() for ln in err.splitlines() if ln.strip()]
     if code == EXIT_NO_FUNCTION and lines:
-        return lines[-1], ""
+        return lines[-1]
     if code is not None and code < 0:
         name = signal.Signals(-code).name
         why = {"SIGXCPU": " (used more than its CPU time)",
                "SIGKILL": " (killed, perhaps for memory)"}.get(name, "")
-        return f"rank {rank} was ended by {name}{why}", ""
+        return f"rank {rank} was ended by {name}{why}"
     where = _CELL_LINE.findall(err)
     at = f" at cell line {where[-1]}" if where else ""
     last = lines[-1] if lines else "no error message"
@@ -189,12 +188,10 @@ def _launch_failure(exercise: Exercise, run: RunSpec, launch: LaunchResult, time
     if "can't allocate memory" in last or last.startswith("MemoryError"):  # RLIMIT_DATA: allocations fail
         last += f" (memory limit: a rank may use at most {binary_bytes(limits.memory_bytes)})"
     if raised:
-        hint = stub_hint(last, exercise.id)
-        if hint:
-            # Every item of the run fails with the stub's hint, a paragraph long: it goes apart, shown once.
-            return f"rank {rank} raised{at}: NotImplementedError: this part of {exercise.id} is not written yet", hint
-        return f"rank {rank} raised{at}: {last}", ""
-    return f"rank {rank} exited with code {code}: {last}", ""
+        if is_stub_error(last, exercise.id):
+            return f"rank {rank} raised{at}: NotImplementedError: this part of {exercise.id} is not written yet"
+        return f"rank {rank} raised{at}: {last}"
+    return f"rank {rank} exited with code {code}: {last}"
 
 
 MAX_ERROR_CHARS = 500  # of an exception's message in a report

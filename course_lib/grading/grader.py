@@ -159,7 +159,8 @@ def grade(files: list[pathlib.Path], out: pathlib.Path, *, hidden_dir: pathlib.P
                     f"{f' and {len(touched) - 1} more' if len(touched) > 1 else ''}); they were put back")
             graded = {i: [ItemResult(it.name, 0.0, it.max_score, "grader files were changed", hidden=it.hidden)
                           for it in items] for i, items in graded.items()}
-        result = results_json(graded, note=note, extra={
+        first_hints = {i: exercise(i).hints[0] for i in graded if exercise(i).hints}  # the section to reread
+        result = results_json(graded, note=note, hints=first_hints, extra={
             "submission": path.name, "submission_sha256": sha, "checks": key})
         write_atomically(out / name / "results.json", json.dumps(result, indent=1) + "\n")
         results[name] = result

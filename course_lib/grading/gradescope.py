@@ -17,19 +17,21 @@ from .spec import ItemResult
 __all__ = ["results_json", "write_atomically", "write_csv"]
 
 
-def results_json(exercise_items: dict[str, list[ItemResult]], *, extra: dict, note: str = "") -> dict:
+def results_json(exercise_items: dict[str, list[ItemResult]], *, extra: dict, note: str = "",
+                 hints: dict[str, str] | None = None) -> dict:
     """The results.json content for one submission: one test per item, named '<exercise id>: <item>'.
 
-    An exercise's hint (a stub's) is in the output of the first test that has it, not repeated in each.
+    `hints`: {exercise id: hint}; an exercise that lost points gets its hint in the output of its first
+    failed test, not repeated in each.
     """
     tests = []
-    hints_shown: set[str] = set()
     for exercise_id, items in exercise_items.items():
+        hint = (hints or {}).get(exercise_id, "")
         for item in items:
             output = item.message or "passed"
-            if item.hint and item.hint not in hints_shown:
-                output += f"\nhint: {item.hint}"
-                hints_shown.add(item.hint)
+            if hint and not item.passed:
+                output += f"\nhint: {hint}"
+                hint = ""
             if item.output:
                 output += "\n\nwhat the ranks printed:\n" + item.output
             tests.append({

@@ -80,6 +80,9 @@ class Exercise:
     # for them: DDP's constructor imports torch._dynamo (about 1 s a process alone, 4 s with 3 ranks
     # importing at once on 2 cores).
     preload: tuple[str, ...] = ()
+    # What the check says after a failure, one level per failed check in a kernel: the lesson's
+    # section, then the API, then the approach; never the code. A stub holds no hint (authoring.py).
+    hints: tuple[str, ...] = ()
 
     @property
     def points(self) -> float:
@@ -107,7 +110,6 @@ class ItemResult:
     message: str = ""  # why it lost points, naming the rank and value; empty when it passed
     output: str = ""  # what the ranks printed (trimmed), for the learner
     hidden: bool = False
-    hint: str = ""  # the exercise's hint, when a rank raised from the stub; a report shows it once
 
     @property
     def passed(self) -> bool:

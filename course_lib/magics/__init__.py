@@ -1,4 +1,4 @@
-"""The notebook magics, the only IPython layer: `%%torchrun`, `%dist` / `%%dist`, `%%exercise`.
+"""The notebook magics, the only IPython layer: `%%torchrun`, `%dist` / `%%dist`, `%%exercise`, `%reveal`.
 
 `%load_ext course_lib` calls `register(ipython)`. State lives on the Magics
 instances, nothing module-wide: `DistMagics.pool` holds this kernel's
@@ -11,11 +11,13 @@ __all__ = ["register"]
 
 
 def register(ipython) -> None:
-    """Register `%%torchrun`, `%dist`/`%%dist` and `%%exercise` with this IPython shell."""
+    """Register `%%torchrun`, `%dist`/`%%dist`, `%%exercise` and `%reveal` with this IPython shell."""
     from .dist_magic import DistMagics
     from .exercise_magic import ExerciseMagics
+    from .reveal_magic import RevealMagics
     from .torchrun_magic import TorchrunMagics
 
     ipython.register_magics(TorchrunMagics)
     ipython.register_magics(DistMagics)
     ipython.register_magics(ExerciseMagics)
+    ipython.register_magics(RevealMagics)

@@ -1,0 +1,66 @@
+"""The reveal cell's work (`%reveal <id>`): measure, assert against the formula, compare with the learner's number."""
+
+from __future__ import annotations
+
+import textwrap
+from typing import Any, Mapping
+
+from ..errors import OneLineError
+from . import prediction as find_prediction
+from .spec import Prediction
+
+__all__ = ["RevealError", "reveal", "write_first"]
+
+WRITE_FIRST = ("Write your prediction first: set {variable} in the cell above to your number, "
+               "then run this cell again.")
+
+
+class RevealError(OneLineError):
+    """A reveal that cannot be made (its run cell has not run, or torch no longer agrees with the lesson)."""
+
+
+def write_first(variable: str) -> str:
+    """What a reveal prints while the prediction is empty: no number, so a stored output gives nothing away."""
+    return WRITE_FIRST.format(variable=variable)
+
+
+def _as_tuple(value: Any) -> tuple:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def _shown(value: Any, unit: str) -> str:
+    parts = [f"{v:,}" if isinstance(v, int) else f"{v:,.6g}" if isinstance(v, float) else str(v)
+             for v in _as_tuple(value)]
+    text = ", ".join(parts) if len(parts) == 1 else "(" + ", ".join(parts) + ")"
+    return f"{text} {unit}".rstrip()
+
+
+def measured_answer(spec: Prediction, results: Mapping, ledgers: Mapping) -> Any:
+    """The measured answer, asserted equal to the lesson's formula (RevealError if the run is missing or they differ)."""
+    if spec.needs not in results:
+        raise RevealError(f"nothing measured yet: run the cell that publishes {spec.needs!r} (above), "
+                          "then this one")
+    measured = spec.measure(results, ledgers)
+    expected = spec.formula(results)
+    if _as_tuple(measured) != _as_tuple(expected):
+        raise RevealError(f"{spec.id}: torch measured {measured!r} but the lesson's formula gives {expected!r}: "
+                          "the lesson no longer describes this torch (please report it)")
+    return measured
+
+
+def reveal(prediction_id: str, guess: Any, results: Mapping, ledgers: Mapping, variable: str = "my_prediction") -> str:
+    """The text a reveal cell prints for `guess` (None: only the line asking for a prediction)."""
+    spec = find_prediction(prediction_id)
+    measured = measured_answer(spec, results, ledgers)
+    if guess is None:
+        return write_first(variable)
+    guesses, answers = _as_tuple(guess), _as_tuple(measured)
+    if len(guesses) != len(answers) or not all(isinstance(g, (int, float)) for g in guesses):
+        raise RevealError(f"{variable} should be {len(answers)} number{'s' if len(answers) > 1 else ''} "
+                          f"({spec.question}), got {guess!r}")
+    right = all(spec.tolerance.accepts(g, a) for g, a in zip(guesses, answers))
+    verdict = "right" if right else "not this time"
+    lines = [f"{spec.question}: you predicted {_shown(guess, spec.unit)}; measured {_shown(measured, spec.unit)} "
+             f"({spec.tolerance}): {verdict}.",
+             *textwrap.wrap("Why: " + spec.explanation, width=100)]
+    return "\n".join(lines)

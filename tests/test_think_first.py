@@ -1,0 +1,177 @@
+"""Learners think before they see: stubs hold no recipe, hints come from the check, predictions hide their answers.
+
+Fast, single-process, over the committed notebooks and the exercise specs:
+- every exercise stub's message is at most 62 characters (`<id>: your code here`);
+- no line of a solution's answer appears in its exercise notebook's markdown or stub messages;
+- every exercise has three hints (section, API, approach) and none holds a line of its answer;
+- each lesson has its reveal cells (at least 2 in lessons 01-03, 4 in 04-05), each `%reveal <id>` of one
+  of its own predictions, after a cell that sets the prediction to None, and none stores a number.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import pytest
+
+from course_lib.grading.cells import MAX_STUB_MESSAGE, exercise_cells
+from course_lib.grading.registry import exercises_of_lesson, public_exercises
+from course_lib.predictions import all_predictions
+from course_lib.predictions.reveal import RevealError, reveal, write_first
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+LESSONS = ("01", "02", "03", "04", "05")
+MIN_REVEALS = {"01": 2, "02": 2, "03": 2, "04": 4, "05": 4}
+NEW_EXERCISES = ("02.ddp_from_scratch", "03.zero1_by_hand", "04.memory_per_rank", "05.zero3_linear", "05.hsdp_mesh")
+STUB = re.compile(r"""NotImplementedError\((["'])(.*?)\1\)""")
+# A number a learner could read: two digits or more, or a digit next to a decimal point/thousands comma.
+NUMBER = re.compile(r"\d[\d,_.]*\d")
+# "cell 3", "section 5", "lesson 04" point somewhere; they are not answers.
+POINTER = re.compile(r"(?i)\b(cells?|sections?|lessons?|§)\s*\d+")
+
+
+def _cells(path: pathlib.Path) -> list[dict]:
+    return json.loads(path.read_text())["cells"]
+
+
+def _source(cell: dict) -> str:
+    return "".join(cell["source"])
+
+
+def _notebook(folder: str, lesson: str) -> pathlib.Path:
+    (path,) = [p for p in sorted((ROOT / folder).glob(f"{lesson}_*.ipynb")) if "_appendix_" not in p.name]
+    return path
+
+
+def _answer_lines(solution: pathlib.Path) -> list[str]:
+    """The lines inside the solution's BEGIN/END SOLUTION regions that say something (12+ characters)."""
+    lines, inside = [], False
+    for cell in _cells(solution):
+        for line in _source(cell).splitlines():
+            text = line.strip()
+            if text == "### BEGIN SOLUTION":
+                inside = True
+            elif text == "### END SOLUTION":
+                inside = False
+            elif inside and len(text.lstrip("#").strip()) >= 12:
+                lines.append(text.lstrip("#").strip())
+    return lines
+
+
+def _text_outputs(cell: dict) -> str:
+    parts = []
+    for output in cell.get("outputs", []):
+        parts.append("".join(output.get("text", "")))
+        for mime, value in output.get("data", {}).items():
+            if mime.startswith("text/"):
+                parts.append("".join(value) if isinstance(value, list) else str(value))
+    return "".join(parts)
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_every_stub_message_is_short_and_tells_no_recipe(lesson):
+    exercises = _notebook("exercises", lesson)
+    messages = [m.group(2) for cell in _cells(exercises) for m in STUB.finditer(_source(cell))]
+    assert messages, f"{exercises.name} has no stubs"
+    for message in messages:
+        assert len(message) <= MAX_STUB_MESSAGE and message.endswith(": your code here"), message
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_no_line_of_an_answer_appears_in_the_exercise_notebooks_markdown_or_stubs(lesson):
+    exercises = _notebook("exercises", lesson)
+    shown = "\n".join(_source(c) for c in _cells(exercises) if c["cell_type"] == "markdown")
+    shown += "\n".join(m.group(2) for c in _cells(exercises) for m in STUB.finditer(_source(c)))
+    leaked = [line for line in _answer_lines(_notebook("solutions", lesson)) if line in shown]
+    assert not leaked, f"{exercises.name} shows lines of the answer: {leaked[:3]}"
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_every_exercise_has_three_hints_none_holding_its_answer(lesson):
+    answer = _answer_lines(_notebook("solutions", lesson))
+    for exercise_id in exercises_of_lesson(lesson):
+        hints = public_exercises()[exercise_id].hints
+        assert len(hints) == 3 and all(h.strip() for h in hints), f"{exercise_id}: {hints!r}"
+        leaked = [line for line in answer if any(line in hint for hint in hints)]
+        assert not leaked, f"{exercise_id}'s hints hold its answer: {leaked[:2]}"
+
+
+def test_the_build_it_yourself_exercises_exist_and_have_their_cells():
+    known = public_exercises()
+    for exercise_id in NEW_EXERCISES:
+        assert exercise_id in known, exercise_id
+        cells = exercise_cells(_nb(_notebook("solutions", exercise_id[:2])))
+        assert exercise_id in cells, f"no %%exercise {exercise_id} cell in solutions/"
+    assert "02.average_gradients" not in known  # replaced by 02.ddp_from_scratch
+
+
+def _nb(path: pathlib.Path):
+    import nbformat
+
+    return nbformat.read(path, as_version=4)
+
+
+def _reveal_cells(lesson: str) -> list[tuple[int, dict]]:
+    cells = _cells(_notebook("notebooks", lesson))
+    return [(i, c) for i, c in enumerate(cells) if "reveal" in c.get("metadata", {}).get("tags", [])]
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_each_lesson_has_its_reveal_cells_and_none_stores_a_number(lesson):
+    cells = _cells(_notebook("notebooks", lesson))
+    reveals = _reveal_cells(lesson)
+    assert len(reveals) >= MIN_REVEALS[lesson], f"lesson {lesson}: {len(reveals)} reveal cells"
+    used = []
+    for index, cell in reveals:
+        lines = [ln for ln in _source(cell).splitlines() if ln.strip() and not ln.strip().startswith("#")]
+        assert len(lines) == 1 and lines[0].startswith("%reveal "), f"cell {index}: {_source(cell)!r}"
+        words = lines[0].split()
+        prediction_id, variable = words[1], (words[2] if len(words) > 2 else "my_prediction")
+        assert prediction_id in all_predictions() and prediction_id.startswith(f"{lesson}."), prediction_id
+        used.append(prediction_id)
+        above = "\n".join(_source(c) for c in cells[:index] if c["cell_type"] == "code")
+        assert re.search(rf"^{variable}\s*=\s*None\b", above, re.M), f"cell {index}: no `{variable} = None` above"
+        stored = POINTER.sub("", _text_outputs(cell))
+        assert stored.strip(), f"cell {index} stores no output (run it: it says where to write the prediction)"
+        assert not NUMBER.search(stored), f"cell {index} stores a number: {stored!r}"
+    assert sorted(used) == sorted(p for p in all_predictions() if p.startswith(f"{lesson}.")), \
+        "every prediction of the lesson is revealed exactly once"
+
+
+# ---------------------------------------------------------------- the reveal itself, on a made-up prediction
+
+
+def _fake(monkeypatch, formula_value=12):
+    from course_lib import predictions
+    from course_lib.predictions.spec import Prediction, Tolerance
+
+    spec = Prediction(id="99.bytes", question="bytes rank 0 sends", needs="sent",
+                      measure=lambda results, ledgers: sum(e["bytes"] for e in ledgers[0]),
+                      formula=lambda results: formula_value, explanation="two messages of 6 bytes.",
+                      unit="B", tolerance=Tolerance(relative=0.01))
+    monkeypatch.setattr(predictions, "all_predictions", lambda: {"99.bytes": spec})
+    return {"sent": {0: True}}, {0: [{"bytes": 6}, {"bytes": 6}]}
+
+
+def test_a_reveal_without_a_prediction_says_where_to_write_it_and_shows_no_number(monkeypatch):
+    results, ledgers = _fake(monkeypatch)
+    text = reveal("99.bytes", None, results, ledgers)
+    assert text == write_first("my_prediction") and not NUMBER.search(text)
+
+
+def test_a_reveal_compares_within_its_tolerance_and_explains(monkeypatch):
+    results, ledgers = _fake(monkeypatch)
+    right = reveal("99.bytes", 12.1, results, ledgers)
+    assert "measured 12 B (within 1%): right." in right and "Why: two messages" in right
+    assert "not this time" in reveal("99.bytes", 13, results, ledgers)
+
+
+def test_a_reveal_refuses_before_its_run_and_when_torch_disagrees_with_the_formula(monkeypatch):
+    results, ledgers = _fake(monkeypatch)
+    with pytest.raises(RevealError, match="nothing measured yet"):
+        reveal("99.bytes", 12, {}, ledgers)
+    _fake(monkeypatch, formula_value=13)
+    with pytest.raises(RevealError, match="the lesson no longer describes this torch"):
+        reveal("99.bytes", None, results, ledgers)
