@@ -175,3 +175,37 @@ def test_a_reveal_refuses_before_its_run_and_when_torch_disagrees_with_the_formu
     _fake(monkeypatch, formula_value=13)
     with pytest.raises(RevealError, match="the lesson no longer describes this torch"):
         reveal("99.bytes", None, results, ledgers)
+
+
+def test_the_reveal_magic_reads_the_learners_variable_and_says_bad_input_in_one_line(monkeypatch, capsys):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    import course_lib.magics.reveal_magic as magic_module
+    from course_lib.magics.reveal_magic import RevealMagics, RevealUsageError
+
+    results, ledgers = _fake(monkeypatch)
+    monkeypatch.setattr(magic_module, "results", results)
+    monkeypatch.setattr(magic_module, "ledgers", ledgers)
+    shell = InteractiveShell.instance()
+    magics = RevealMagics(shell)
+    shell.user_ns["my_prediction"] = None
+    magics.reveal_line("99.bytes")
+    assert capsys.readouterr().out.strip() == write_first("my_prediction")
+    shell.user_ns["my_bytes"] = 12
+    magics.reveal_line("99.bytes my_bytes")
+    assert "you predicted 12 B; measured 12 B" in capsys.readouterr().out
+    for line, says in (("", "usage: %reveal"), ("99.nope", "no prediction '99.nope'")):
+        with pytest.raises(RevealUsageError, match=says) as raised:
+            magics.reveal_line(line)
+        assert len(raised.value._render_traceback_()) == 1
+
+
+def test_hints_go_one_level_further_after_each_failed_check_and_stay_at_the_last():
+    from course_lib.grading.report import hint_line
+
+    hints = ("Reread section 4.", "dist.all_reduce", "Average every gradient.")
+    lines = [hint_line(hints, failed) for failed in range(4)]
+    assert lines[0].startswith("hint 1 of 3; check again after a change for the next: Reread section 4.")
+    assert lines[1].endswith(": dist.all_reduce") and lines[1].startswith("hint 2 of 3")
+    assert lines[2] == lines[3] == "hint 3 of 3: Average every gradient."
+    assert hint_line((), 0) == ""
