@@ -29,6 +29,7 @@ from .spec import CaseResult, Exercise, ItemResult, Limits, RunOutcome, RunSpec
 
 __all__ = ["check_exercise", "preload_for", "rank_set_for", "submission_source"]
 
+DID_NOT_FINISH = "did not finish within"  # how a run stopped at its deadline is reported
 MAX_OUTPUT_CHARS = 2000  # of a rank's own prints kept in a report (Gradescope shows it)
 
 
@@ -67,12 +68,28 @@ def check_exercise(exercise: Exercise, cell_source: str, *, limits: Limits = Lim
         with rank_set_for([exercise], limits) as own:
             return check_exercise(exercise, cell_source, limits=limits, on_item=on_item, ranks=own)
     results: list[ItemResult] = []
+    hung: ItemResult | None = None  # the first item of a run that did not finish in time
     for run in exercise.runs:
-        for item in _check_run(exercise, run, cell_source, limits, ranks):
+        if hung is None:
+            items = _check_run(exercise, run, cell_source, limits, ranks)
+            if items and items[0].message.startswith(DID_NOT_FINISH):
+                hung = items[0]
+                # One diagnosis per check: the run's other items point to it.
+                items[1:] = [_same_failure(item, hung) for item in items[1:]]
+        else:
+            # An answer that hangs once hangs again: the later runs would only add their deadlines.
+            items = [ItemResult(item.name, 0.0, item.points, f'not run: an earlier run did not finish (see '
+                                f'"{hung.name}")', "", run.hidden) for item in run.items]
+        for item in items:
             results.append(item)
             if on_item is not None:
                 on_item(item)
     return results
+
+
+def _same_failure(item: ItemResult, first: ItemResult) -> ItemResult:
+    return ItemResult(item.name, 0.0, item.max_score, f'the same run as "{first.name}": it did not finish',
+                      "", item.hidden)
 
 
 def _check_run(exercise: Exercise, run: RunSpec, cell_source: str, limits: Limits,
@@ -163,7 +180,7 @@ def _launch_failure(exercise: Exercise, run: RunSpec, launch: LaunchResult, time
     """Why a run did not finish normally, in one line naming the rank ("" if it did)."""
     if launch.timed_out:
         stuck = "; ".join(launch.diagnosis) if launch.diagnosis else "ranks " + ", ".join(map(str, launch.unfinished))
-        return f"did not finish within {timeout_s:g} s on {run.nproc} ranks ({stuck})"
+        return f"{DID_NOT_FINISH} {timeout_s:g} s on {run.nproc} ranks ({stuck})"
     if launch.ok:
         return ""
     rank = launch.root_cause if launch.root_cause is not None else (launch.failed or [0])[0]
