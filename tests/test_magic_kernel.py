@@ -388,6 +388,11 @@ def test_interrupt_kills_every_process_of_the_cell(kernel):
     assert sorted(cell.names.values()).count("sleep") == 2
     assert still_alive(cell.seen.values(), timeout_s=0.5) == []
     assert cell.leftovers == []
+    # A later cell that reads the cut-off run is told so in one line (it was a raw IndexError).
+    read = kernel.execute("import course_lib as cl\ncl.ledgers[0][-1]")
+    assert [(e["ename"], e["traceback"]) for e in read.of_type("error")] == [("StaleResults", [
+        "StaleResults: cl.results and cl.ledgers: the last multi-rank cell was interrupted before its ranks "
+        "finished: run it again"])]
     kernel.assert_still_works()
 
 

@@ -2,7 +2,7 @@
 
 Each magic turns its launcher's result into a `CellEnd` (what differs: which
 rank failed first, its failure sentence, its interrupt line); `finish` then
-updates `cl.results` and `cl.ledgers`, prints the ranks' output in rank order,
+updates `cl.results` and `cl.ledgers` (marked stale after an interrupt: course_lib/results.py), prints the ranks' output in rank order,
 and raises or not: CellInterrupted (a KeyboardInterrupt shown as one line) after
 an interrupt, RankFailure after a failure unless `--expect-failure` was given,
 RankFailure after a success if it was.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..results import ledgers, results
+from ..results import ledgers, mark_stale, results
 from .args import CellInterrupted, RankFailure
 from .display import print_diagnosis, print_rank_blocks
 
@@ -42,6 +42,8 @@ def finish(end: CellEnd, *, expect_failure: bool) -> None:
         results[name] = dict(sorted(by_rank.items()))
     ledgers.clear()
     ledgers.update(end.ledgers)
+    # A failed run finished (its ledger says where it failed: lessons read it); an interrupted one was cut off.
+    mark_stale("was interrupted before its ranks finished" if end.interrupted is not None else None)
     print_rank_blocks(end.stdout, end.stderr, first=end.first)
     if end.exit_line is not None:
         print(end.exit_line)
