@@ -205,3 +205,20 @@ def test_exit_summary_after_a_deadline():
 def test_exit_summary_is_one_line():
     summary = exit_summary({r: (r % 3) - 1 or None for r in range(8)})
     assert "\n" not in summary and summary.startswith("exit: ")
+
+
+def test_frames_are_named_from_their_package_down_for_installed_and_editable_course_lib():
+    import pathlib
+
+    import course_lib
+    from course_lib.launcher.rank_output import clean_paths, short_frames
+
+    here = pathlib.Path(course_lib.__file__).resolve().parent  # an editable install: the clone's own folder
+    text = (f'  File "{here}/measure/memory.py", line 12, in measure_step\n'
+            '  File "/home/me/venv/lib/python3.11/site-packages/torch/nn/modules/module.py", line 3, in f\n'
+            '  File "/tmp/x/cell.py", line 4, in <module>\n')
+    short = short_frames(text)
+    assert 'File "course_lib/measure/memory.py", line 12' in short
+    assert 'File "torch/nn/modules/module.py", line 3' in short
+    assert str(here) not in short and "site-packages" not in short
+    assert 'File "<cell>", line 4' in clean_paths(text, "/tmp/x/cell.py")

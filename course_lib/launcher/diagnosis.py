@@ -27,7 +27,7 @@ from ..rank import ledger
 from ..rank.contract import CELL_LABEL, SCRIPT_NAME, ledger_file, stacks_file
 from ..units import binary_bytes
 from . import pool_worker
-from .rank_output import ranks_phrase
+from .rank_output import ranks_phrase, short_frames
 
 __all__ = ["cell_line", "collect", "consequences", "describe_stuck", "ended_first", "first_failure", "lines_by_state",
            "lost_peer", "rank_state"]
@@ -43,9 +43,6 @@ def _module_path(module) -> str:
 # Frames that are this library's, not the learner's: the ledger's wrapper, the pool worker's loop, runpy.
 _OURS = re.compile(r'File "(?:[^"]*/(?:%s)|<frozen runpy>)"' % "|".join(
     re.escape(_module_path(m)) for m in (ledger, pool_worker)))
-# An installed package's frame is named from its package down (torch/distributed/...): the
-# folder it is installed in says nothing to the learner and differs between machines.
-_INSTALLED = re.compile(r'File "[^"]*/(?:site|dist)-packages/')
 _CELL_FRAME = re.compile(r'File "(?:%s|[^"]*%s)", line (\d+)' % (re.escape(CELL_LABEL), re.escape(SCRIPT_NAME)))
 
 
@@ -72,7 +69,7 @@ def collect(results_dir: pathlib.Path, nproc: int, stuck_pids: dict[int, int]) -
         # Frames of this library (the ledger's wrapper, the worker's loop, runpy) are not the
         # learner's: leave them out, and the thread's address, which changes every run.
         kept = [ln for ln in text.splitlines(keepends=True) if not _OURS.search(ln)]
-        stacks[rank] = _INSTALLED.sub('File "', re.sub(r"(Current thread|Thread) 0x[0-9a-f]+", r"\1", "".join(kept)))
+        stacks[rank] = short_frames(re.sub(r"(Current thread|Thread) 0x[0-9a-f]+", r"\1", "".join(kept)))
     return ledgers, stacks
 
 

@@ -26,7 +26,7 @@ from typing import Any
 from ..rank.contract import CELL_LABEL, log_files, parse_log_path
 
 __all__ = [
-    "MAX_LINES_PER_RANK", "LogFollower", "RankFdOutput", "clean_paths", "clean_rank_text", "describe_exit",
+    "MAX_LINES_PER_RANK", "LogFollower", "RankFdOutput", "clean_paths", "clean_rank_text", "describe_exit", "short_frames",
     "exit_summary", "parse_torchrun_failures", "rank_block", "ranks_phrase",
 ]
 
@@ -52,9 +52,20 @@ def parse_torchrun_failures(agent_output: str) -> tuple[dict[int, int], int | No
     return codes, root
 
 
+# Where packages are installed differs between machines and shows the learner's own folders (a clone's
+# absolute path for an editable install): frames are named from the package down, torch/..., course_lib/...
+_INSTALLED = re.compile(r'File "[^"]*/(?:site|dist)-packages/')
+_COURSE_ROOT = str(pathlib.Path(__file__).resolve().parents[2])  # the folder that holds course_lib/
+
+
+def short_frames(text: str) -> str:
+    """Traceback and stack frames named from their package down: `File "torch/..."`, `File "course_lib/..."`."""
+    return _INSTALLED.sub('File "', text).replace(f'File "{_COURSE_ROOT}/course_lib/', 'File "course_lib/')
+
+
 def clean_paths(text: str, script_path: str, label: str = CELL_LABEL) -> str:
-    """Replace the temporary script path (it changes every run) with a stable label."""
-    return text.replace(script_path, label)
+    """Replace the temporary script path (it changes every run) with a stable label; frames named short."""
+    return short_frames(text.replace(script_path, label))
 
 
 def clean_rank_text(rank: int, text: str, script_path: str) -> str:

@@ -27,7 +27,7 @@ from IPython.core.magic_arguments import argument, argument_group, kwds, magic_a
 from ..backend_choice import BACKEND_CHOICES, BackendChoice, BackendError, choose_backend
 from ..launcher.diagnosis import consequences
 from ..launcher.pool import CellResult, Pool, PoolError
-from ..launcher.rank_output import describe_exit, ranks_phrase
+from ..launcher.rank_output import describe_exit, ranks_phrase, short_frames
 from .args import DEFAULT_NPROC, MAX_NPROC, CellInterrupted, parse_line, positive_seconds, rank_count
 from .cell_end import CellEnd, finish
 from .display import run_live
@@ -94,7 +94,8 @@ def _failure_message(result: CellResult, timeout_s: float) -> str:
 def cell_end(result: CellResult, timeout_s: float, *, pool_running: bool) -> CellEnd:
     """How a cell on the pool ends: each rank's traceback after what it printed, the first failing rank first,
     and whose errors follow from a rank that died."""
-    stderr = {r: text + (result.errors[r][1] if r in result.errors else "") for r, text in result.stderr.items()}
+    stderr = {r: short_frames(text + (result.errors[r][1] if r in result.errors else ""))
+              for r, text in result.stderr.items()}
     end = CellEnd(result.stdout, stderr, result.published, result.ledgers,
                   all_well="every rank finished without error",
                   first=min(result.errors) if result.errors else None,
