@@ -128,15 +128,17 @@ RING = Exercise(
     hints=(
         "Reread lesson 01, section 8, 'Where 2(N-1)/N comes from', and step through its ring stepper: "
         "which chunk each rank sends, and what the receiver does with it, at every step.",
-        "dist.isend, dist.recv (or dist.irecv) and wait() on the work objects; torch.tensor_split or "
-        "Tensor.chunk on a flat view of the tensor, which give views that write through to it.",
+        "dist.isend, dist.recv (or dist.irecv) and wait() on the work objects; torch.tensor_split on a flat "
+        "view of the tensor, which gives exactly N pieces (Tensor.chunk may give fewer), each a view that "
+        "writes through to the tensor.",
         "Cut the flattened tensor into N pieces that are views of it, so that changing a piece changes the "
         "tensor. In N-1 steps, each rank sends one piece to its right neighbour while it receives one from "
         "its left neighbour and adds what arrives into its own piece of the same index; the index a rank "
         "sends moves back by one each step, so that afterwards each rank holds one piece summed over all "
         "ranks. Then N-1 more steps pass the summed pieces on around the ring, copied instead of added. In "
         "every step, start the send without blocking before the blocking receive, and wait for the send "
-        "before you touch that piece again.",
+        "before you touch that piece again (this completes on gloo, where the check runs; on NCCL the same "
+        "exchange is posted with batch_isend_irecv, lesson 01 section 3).",
     ),
     allowed_ops=P2P_OPS,
     required_ops=frozenset(SENDS),
