@@ -147,3 +147,17 @@ GRID_RANK_0_STUCK = GRID_SOLUTION.replace("    return row_group, col_group", """
         import torch
         dist.recv(torch.zeros(1), 1)
     return row_group, col_group""")
+
+# Only the members create each group (use_local_synchronization=True, lesson 01 section 6): a right answer
+# too, which the statement must not call a hang (review 0001, item 8).
+GRID_OWN_GROUPS_ONLY = '''%%exercise 01.grid_groups
+import torch.distributed as dist
+
+
+def grid_groups(rows, cols):
+    rank = dist.get_rank()
+    row, col = divmod(rank, cols)
+    row_group = dist.new_group([row * cols + c for c in range(cols)], use_local_synchronization=True)
+    col_group = dist.new_group([r * cols + col for r in range(rows)], use_local_synchronization=True)
+    return row_group, col_group
+'''

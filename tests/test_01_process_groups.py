@@ -1,6 +1,6 @@
 """Lesson 01's exercises, graded on real gloo ranks: the solution scores full marks, the stub
-zero with its hint (shown once per report), and each plausible wrong answer loses exactly the points its mistake
-deserves, with a message that names what is wrong."""
+zero with its first hint (shown once per report, one more level after each failed check in a kernel), and each
+plausible wrong answer loses exactly the points its mistake deserves, with a message that names what is wrong."""
 
 from __future__ import annotations
 
@@ -12,14 +12,13 @@ import nbformat
 import pytest
 
 import grading_answers as answers
-from exercise_checks import (
-    assert_full_marks, assert_stub_scores_zero_with_its_hint_once, failed_items, solution_hints)
+from exercise_checks import assert_full_marks, assert_stub_scores_zero_with_its_first_hint_once, failed_items
 from exercise_notebooks import exercise_sections, markdown_cells
 from test_magic_kernel import Kernel
 from course_lib.grading.cells import EXERCISE_ID, exercise_cells
 from course_lib.grading.checker import Limits, check_exercise
 from course_lib.grading.registry import exercise, exercises_of_lesson
-from course_lib.grading.report import item_line
+from course_lib.grading.report import hint_line, item_line
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SOLUTIONS = exercise_cells(nbformat.read(ROOT / "solutions" / "01_process_groups.ipynb", as_version=4))
@@ -86,10 +85,14 @@ def test_solution_scores_full_marks(exercise_id):
     assert_full_marks(exercise_id, SOLUTIONS[exercise_id])
 
 
+def test_grid_groups_created_only_by_their_members_score_full_marks():
+    # With use_local_synchronization=True a rank creates only its own two groups: right on gloo.
+    assert_full_marks("01.grid_groups", answers.GRID_OWN_GROUPS_ONLY)
+
+
 @pytest.mark.parametrize("exercise_id", IDS)
-def test_stub_scores_zero_and_says_what_to_write_once(exercise_id):
-    hint = solution_hints(SOLUTIONS[exercise_id])[0]
-    assert_stub_scores_zero_with_its_hint_once(exercise_id, STUBS[exercise_id], hint)
+def test_stub_scores_zero_with_its_first_hint_once(exercise_id):
+    assert_stub_scores_zero_with_its_first_hint_once(exercise_id, STUBS[exercise_id])
 
 
 WRONG = [
@@ -164,21 +167,27 @@ def test_a_hang_in_the_checkers_own_collective_says_it_is_the_checkers(exercise_
         assert phrase in message, message
 
 
-def test_in_a_kernel_check_before_saving_is_one_line_and_a_stub_prints_its_hint_once(tmp_path):
-    """The learner's path in JupyterLab: cl.check before the %%exercise cell ran, then on the stub."""
+def test_in_a_kernel_check_before_saving_is_one_line_and_each_failed_check_shows_the_next_hint(tmp_path):
+    """The learner's path in JupyterLab: cl.check before the %%exercise cell ran, then twice on the stub:
+    the first failed check prints hint level 1 (the section), the second level 2 (the API), each once."""
+    hints = exercise("01.allgather_from_broadcast").hints
     kernel = Kernel(tmp_path / "kernel.log")
     try:
         assert kernel.execute("%load_ext course_lib\nimport course_lib as cl", timeout_s=30).status == "ok"
-        early = kernel.execute('cl.check("01.ring_allreduce")', timeout_s=30)
+        early = kernel.execute('cl.check("01.allgather_from_broadcast")', timeout_s=30)
         (error,) = early.of_type("error")
         assert (error["ename"], error["traceback"]) == ("CheckError", [f"CheckError: {error['evalue']}"])
-        assert "run the cell that starts with %%exercise 01.ring_allreduce first" in error["evalue"]
+        assert "run the cell that starts with %%exercise 01.allgather_from_broadcast first" in error["evalue"]
         assert early.seen == {}, early.names  # no rank, no rank server: nothing ran
-        assert kernel.execute(STUBS["01.ring_allreduce"], timeout_s=30).status == "ok"
-        report = kernel.execute('cl.check("01.ring_allreduce")', timeout_s=120)
-        printed = report.text("stdout")
-        assert report.status == "ok" and printed.count("  FAIL  ") == sum(len(run.items) for run in exercise("01.ring_allreduce").runs)
-        (hint,) = solution_hints(SOLUTIONS["01.ring_allreduce"])
-        assert printed.count(hint) == 1, printed
+        assert kernel.execute(STUBS["01.allgather_from_broadcast"], timeout_s=30).status == "ok"
+        items = sum(len(run.items) for run in exercise("01.allgather_from_broadcast").runs)
+        for level in (1, 2):
+            report = kernel.execute('cl.check("01.allgather_from_broadcast")', timeout_s=120)
+            printed = report.text("stdout")
+            assert report.status == "ok" and printed.count("  FAIL  ") == items, printed
+            assert printed.count(hint_line(hints, level - 1)) == 1, printed
+            assert printed.count(f"hint {level} of 3") == 1, printed
+            shown = [hint for hint in hints if hint in printed]
+            assert shown == [hints[level - 1]], printed  # one level at a time, never the others
     finally:
         kernel.shutdown()

@@ -125,6 +125,21 @@ RING = Exercise(
     function="ring_allreduce",
     signature="ring_allreduce(tensor: torch.Tensor) -> None",
     driver="in_place",
+    hints=(
+        "Reread lesson 01, section 8, 'Where 2(N-1)/N comes from', and step through its ring stepper: "
+        "which chunk each rank sends, and what the receiver does with it, at every step.",
+        "dist.isend, dist.recv (or dist.irecv) and wait() on the work objects; torch.tensor_split on a flat "
+        "view of the tensor, which gives exactly N pieces (Tensor.chunk may give fewer), each a view that "
+        "writes through to the tensor.",
+        "Cut the flattened tensor into N pieces that are views of it, so that changing a piece changes the "
+        "tensor. In N-1 steps, each rank sends one piece to its right neighbour while it receives one from "
+        "its left neighbour and adds what arrives into its own piece of the same index; the index a rank "
+        "sends moves back by one each step, so that afterwards each rank holds one piece summed over all "
+        "ranks. Then N-1 more steps pass the summed pieces on around the ring, copied instead of added. In "
+        "every step, start the send without blocking before the blocking receive, and wait for the send "
+        "before you touch that piece again (this completes on gloo, where the check runs; on NCCL the same "
+        "exchange is posted with batch_isend_irecv, lesson 01 section 3).",
+    ),
     allowed_ops=P2P_OPS,
     required_ops=frozenset(SENDS),
     runs=(
@@ -198,6 +213,14 @@ ALLGATHER = Exercise(
     function="all_gather_by_broadcast",
     signature="all_gather_by_broadcast(tensor: torch.Tensor) -> list[torch.Tensor]",
     driver="returns_tensor_list",
+    hints=(
+        "Reread lesson 01, section 4 'Collectives': what broadcast does to the tensor it is given, on the "
+        "source rank and on every other rank.",
+        "dist.broadcast(tensor, src=...), with Tensor.clone and torch.empty_like for the buffers.",
+        "Take every rank in turn as the source. The source gives broadcast a copy of its own tensor, every "
+        "other rank a new buffer of the same shape and dtype to receive into; keep the buffers in a list in "
+        "rank order, one new buffer per source, since broadcast writes into the buffer it is given.",
+    ),
     allowed_ops=frozenset({"broadcast"}),
     required_ops=frozenset({"broadcast"}),
     runs=(
@@ -272,6 +295,15 @@ GRID = Exercise(
     function="grid_groups",
     signature="grid_groups(rows: int, cols: int) -> tuple[ProcessGroup, ProcessGroup]",
     driver="process_groups",
+    hints=(
+        "Reread lesson 01, section 6 'Groups and sub-groups' (which ranks call new_group, and in which "
+        "order) and 'A first look at DeviceMesh' (which ranks share a row, which a column).",
+        "dist.new_group(ranks=[...]), plain or with use_local_synchronization=True, and dist.get_rank().",
+        "List the members of every row (rank r is in row r // cols) and of every column (column r % cols). "
+        "With a plain new_group, every rank creates every one of those groups, in the same order on every "
+        "rank, members or not, and keeps the two it belongs to. With use_local_synchronization=True, a rank "
+        "may create only its own row's group and then its own column's.",
+    ),
     runs=(
         RunSpec(4, _grid_cases,
                 (Item("row groups of a 2x2 and a 1x4 grid", 1, _group_judge("row")),
