@@ -99,11 +99,6 @@ ZERO3_ALL_REDUCE = ZERO3_SOLUTION.replace(
     "    dist.all_reduce(whole, op=dist.ReduceOp.AVG)\n"
     "    return whole.chunk(dist.get_world_size())[dist.get_rank()].clone()\n")
 
-# The weight's reduce-scatter on rank 0 only: rank 0 waits in it for the others.
-ZERO3_SCATTER_ON_RANK_0 = ZERO3_SOLUTION.replace(
-    "        grad_weight = scatter_rows(grad_output.t() @ inputs)\n",
-    "        grad_weight = scatter_rows(grad_output.t() @ inputs) if dist.get_rank() == 0 else None\n")
-
 ACCUMULATE_SOLUTION = '''%%exercise 05.accumulate
 import torch.nn.functional as F
 
