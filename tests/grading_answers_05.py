@@ -28,59 +28,76 @@ SHARD_MESH_OF_2 = SHARD_SOLUTION.replace("(dist.get_world_size(),)", "(2,)")
 ZERO3_SOLUTION = '''%%exercise 05.zero3_linear
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 
-def zero3_linear(weight_shard, bias_shard, inputs, targets):
-    world = dist.get_world_size()
-    full = []
-    for shard in (weight_shard, bias_shard):
-        whole = shard.new_empty(world * shard.shape[0], *shard.shape[1:])
-        dist.all_gather_into_tensor(whole, shard)
-        full.append(whole.requires_grad_())
-    weight, bias = full
-    F.mse_loss(F.linear(inputs, weight, bias), targets).backward()
-    grads = []
-    for shard, whole in ((weight_shard, weight), (bias_shard, bias)):
-        grad = torch.empty_like(shard)
-        dist.reduce_scatter_tensor(grad, whole.grad, op=dist.ReduceOp.AVG)
-        grads.append(grad)
-    return grads[0], grads[1]
+def gather_rows(shard):
+    whole = shard.new_empty(dist.get_world_size() * shard.shape[0], *shard.shape[1:])
+    dist.all_gather_into_tensor(whole, shard.contiguous())
+    return whole
+
+
+def scatter_rows(whole):
+    mine = whole.new_empty(whole.shape[0] // dist.get_world_size(), *whole.shape[1:])
+    dist.reduce_scatter_tensor(mine, whole.contiguous(), op=dist.ReduceOp.AVG)
+    return mine
+
+
+class ZeRO3Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, inputs, weight_shard, bias_shard):
+        weight = gather_rows(weight_shard)
+        ctx.save_for_backward(inputs, weight_shard)
+        return inputs @ weight.t() + gather_rows(bias_shard)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        inputs, weight_shard = ctx.saved_tensors
+        weight = gather_rows(weight_shard)
+        grad_inputs = grad_output @ weight
+        grad_weight = scatter_rows(grad_output.t() @ inputs)
+        grad_bias = scatter_rows(grad_output.sum(0))
+        return grad_inputs, grad_weight, grad_bias
+
+
+class ShardedLinear(torch.nn.Module):
+    def __init__(self, linear):
+        super().__init__()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        rows = linear.out_features // world
+        mine = slice(rank * rows, (rank + 1) * rows)
+        self.weight = torch.nn.Parameter(linear.weight.detach()[mine].clone())
+        self.bias = torch.nn.Parameter(linear.bias.detach()[mine].clone())
+
+    def forward(self, inputs):
+        return ZeRO3Linear.apply(inputs, self.weight, self.bias)
 '''
 
-# All-reduce the whole gradient, then keep this rank's rows: right values, N times the traffic received.
-ZERO3_ALL_REDUCE = ZERO3_SOLUTION.replace(
-    "        grad = torch.empty_like(shard)\n"
-    "        dist.reduce_scatter_tensor(grad, whole.grad, op=dist.ReduceOp.AVG)\n"
-    "        grads.append(grad)\n",
-    "        dist.all_reduce(whole.grad, op=dist.ReduceOp.AVG)\n"
-    "        rows = shard.shape[0]\n"
-    "        grads.append(whole.grad[dist.get_rank() * rows:(dist.get_rank() + 1) * rows])\n")
-
-# All-reduce and return the whole gradient: every rank holds all of it.
-ZERO3_ALL_REDUCE_WHOLE = ZERO3_SOLUTION.replace(
-    "        grad = torch.empty_like(shard)\n"
-    "        dist.reduce_scatter_tensor(grad, whole.grad, op=dist.ReduceOp.AVG)\n"
-    "        grads.append(grad)\n",
-    "        dist.all_reduce(whole.grad, op=dist.ReduceOp.AVG)\n"
-    "        grads.append(whole.grad)\n")
+# A Function that only gathers, under F.linear: right values, but F.linear saves the whole weight for backward.
+ZERO3_NO_FREE = ZERO3_SOLUTION.replace(
+    "    def forward(self, inputs):\n        return ZeRO3Linear.apply(inputs, self.weight, self.bias)\n",
+    "    def forward(self, inputs):\n"
+    "        return torch.nn.functional.linear(inputs, Gather.apply(self.weight), Gather.apply(self.bias))\n"
+    "\n\n"
+    "class Gather(torch.autograd.Function):\n"
+    "    @staticmethod\n"
+    "    def forward(ctx, shard):\n"
+    "        return gather_rows(shard)\n"
+    "\n"
+    "    @staticmethod\n"
+    "    def backward(ctx, grad_whole):\n"
+    "        return scatter_rows(grad_whole)\n")
 
 # The reduce-scatter's default, a sum: N times the average.
 ZERO3_SUM = ZERO3_SOLUTION.replace(", op=dist.ReduceOp.AVG)", ")")
 
-# The gathered parameter written into the shard: the rank keeps the whole Linear after the step.
-ZERO3_KEEPS_FULL = ZERO3_SOLUTION.replace(
-    "        full.append(whole.requires_grad_())\n",
-    "        shard.data = whole\n"
-    "        full.append(shard.detach().requires_grad_())\n").replace(
-    "        grad = torch.empty_like(shard)\n",
-    "        grad = whole.new_empty(whole.shape[0] // world, *whole.shape[1:])\n")
-
-# The reduce-scatter on rank 0 only: rank 0 waits in it for the others.
-ZERO3_SCATTER_ON_RANK_0 = ZERO3_SOLUTION.replace(
-    "        dist.reduce_scatter_tensor(grad, whole.grad, op=dist.ReduceOp.AVG)\n",
-    "        if dist.get_rank() == 0:\n"
-    "            dist.reduce_scatter_tensor(grad, whole.grad, op=dist.ReduceOp.AVG)\n")
+# All-reduce the whole gradient, then keep this rank's rows: right values, N times the traffic received.
+ZERO3_ALL_REDUCE = ZERO3_SOLUTION.replace(
+    "    mine = whole.new_empty(whole.shape[0] // dist.get_world_size(), *whole.shape[1:])\n"
+    "    dist.reduce_scatter_tensor(mine, whole.contiguous(), op=dist.ReduceOp.AVG)\n"
+    "    return mine\n",
+    "    whole = whole.contiguous()\n"
+    "    dist.all_reduce(whole, op=dist.ReduceOp.AVG)\n"
+    "    return whole.chunk(dist.get_world_size())[dist.get_rank()].clone()\n")
 
 ACCUMULATE_SOLUTION = '''%%exercise 05.accumulate
 import torch.nn.functional as F
@@ -152,3 +169,26 @@ META_ON_CPU = META_SOLUTION.replace("    with torch.device(\"meta\"):\n        m
 META_LOAD_ON_RANK_0 = META_SOLUTION.replace(
     "    set_model_state_dict(model, full_state, options=options)\n",
     "    if dist.get_rank() == 0:\n        set_model_state_dict(model, full_state, options=options)\n")
+
+HSDP_SOLUTION = '''%%exercise 05.hsdp_mesh
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+
+def shard_hsdp(model, shard_size):
+    replicas = dist.get_world_size() // shard_size
+    mesh = init_device_mesh("cpu", (replicas, shard_size), mesh_dim_names=("replicate", "shard"))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return mesh
+'''
+
+# The names swapped, as if fully_shard sharded over the first dim: the same groups, named for what they do not do.
+HSDP_NAMES_SWAPPED = HSDP_SOLUTION.replace('mesh_dim_names=("replicate", "shard")', 'mesh_dim_names=("shard", "replicate")')
+
+# A 1-D mesh of every rank: FSDP over all 4 ranks, nothing replicated.
+HSDP_ONE_DIM = HSDP_SOLUTION.replace(
+    '    mesh = init_device_mesh("cpu", (replicas, shard_size), mesh_dim_names=("replicate", "shard"))\n',
+    '    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("shard",))\n')

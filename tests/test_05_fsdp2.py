@@ -20,13 +20,13 @@ import torch
 
 import grading_answers_05 as answers
 from exercise_checks import (
-    assert_full_marks, assert_hang_is_named, assert_stub_scores_zero_with_its_hint_once, failed_items, solution_hints)
+    assert_full_marks, assert_hang_is_named, assert_stub_scores_zero_with_its_first_hint_once, failed_items)
 from exercise_notebooks import exercise_sections, markdown_cells
 from course_lib import theory
 from course_lib.grading.cells import EXERCISE_ID, exercise_cells
 from course_lib.grading.checker import check_exercise, preload_for, rank_set_for
 from course_lib.grading.lessons.lesson05.exercises import (
-    ATOL, FSDP2_OPS, LR, RTOL, TOY_2, TOY_3, _group_elements, _toy_weights, all_gather_elements, shard_rows)
+    ATOL, FSDP2_OPS, LR, RTOL, TOY_2, TOY_3, all_gather_elements, group_elements, shard_rows, toy_weights)
 from course_lib.grading.registry import exercise, exercises_of_lesson
 from course_lib.grading.report import item_line
 from course_lib.vocabulary import canonical_op
@@ -36,7 +36,7 @@ NOTEBOOK = "05_fsdp2.ipynb"
 SOLUTIONS = exercise_cells(nbformat.read(ROOT / "solutions" / NOTEBOOK, as_version=4))
 STUBS = exercise_cells(nbformat.read(ROOT / "exercises" / NOTEBOOK, as_version=4))
 IDS = exercises_of_lesson("05")
-SHARD, ZERO3, ACCUMULATE, META = IDS
+SHARD, ZERO3, ACCUMULATE, META, HSDP = IDS
 HANG_S = 4  # the deadline of a run that hangs: long enough for the sharding and the checker's reference
 
 
@@ -52,7 +52,7 @@ def _rows(count: int) -> str:
 
 @pytest.mark.parametrize("notebook", ["solutions", "exercises"])
 def test_the_notebook_lists_exactly_the_exercises_graded(notebook):
-    assert IDS == ["05.shard_bottom_up", "05.zero3_linear", "05.accumulate", "05.meta_init_broadcast"]
+    assert IDS == ["05.shard_bottom_up", "05.zero3_linear", "05.accumulate", "05.meta_init_broadcast", "05.hsdp_mesh"]
     cells = exercise_cells(nbformat.read(ROOT / notebook / NOTEBOOK, as_version=4))
     assert list(cells) == IDS  # the %%exercise cells, in the registry's order
     markdown = "\n".join(markdown_cells(notebook, NOTEBOOK))
@@ -78,10 +78,15 @@ def _case_phrases(exercise_id: str, case: dict) -> list[str]:
         return phrases + ([_head_rows(n)] if n == 4 else [])
     if exercise_id == ZERO3:
         weights, inputs = case[0][0], case[0][1]
-        out, features = weights["weight"].shape
+        (hidden, features), out = weights["0.weight"].shape, weights["2.weight"].shape[0]
         rows = inputs.shape[0]
-        return [f"`Linear({features}, {out})`, {_rows(out // n)} of the weight per rank, this rank's {_rows(rows)} "
-                f"of a batch of {n * rows}"]
+        return [f"`Linear({features}, {hidden})` → ReLU → `Linear({hidden}, {out})`, {hidden // n} and {out // n} "
+                f"rows of the two weights per rank, this rank's {_rows(rows)} of a batch of {n * rows}"]
+    if exercise_id == HSDP:
+        sizes, _, inputs, _, _, shard_size, steps = case[0]
+        rows = inputs.shape[0]
+        return [f"`ToyModel` with {sizes['layers']} Blocks, `shard_size={shard_size}`, this rank's {_rows(rows)} of a "
+                f"batch of {n * rows}", f"after {steps} SGD steps (lr {LR:g})"]
     if exercise_id == ACCUMULATE:
         sizes, _, micro_batches, _ = case[0]
         k, rows = len(micro_batches), micro_batches[0][0].shape[0]
@@ -95,7 +100,8 @@ def _case_phrases(exercise_id: str, case: dict) -> list[str]:
 def test_each_exercise_states_its_deadline_cases_and_allowed_calls(exercise_id):
     """What the checks enforce (lesson05.py, rank_runner's blocked calls), as the learner reads it."""
     text, found = exercise_sections("solutions", NOTEBOOK)[exercise_id], exercise(exercise_id)
-    assert f"**Graded on** {len(found.runs)} runs" in text
+    runs = len(found.runs)
+    assert f"**Graded on** {runs} run{'s' * (runs != 1)}" in text
     for run in found.runs:
         assert f"deadline of {run.timeout_s:g} s" in text
         assert f"{run.nproc} ranks" in text
@@ -130,8 +136,8 @@ def test_the_rows_each_rank_holds_are_fsdp2s_in_theory():
 @pytest.mark.parametrize("n, sizes", [(2, TOY_2), (4, TOY_3)])
 def test_the_forward_all_gathers_judged_are_theorys(n, sizes):
     """The bytes 05.shard_bottom_up expects of the forward's all-gathers are cl.theory's FSDP2 step, forward part."""
-    weights = _toy_weights(sizes, 0)
-    block, root = _group_elements(sizes, weights, n)
+    weights = toy_weights(sizes, 0)
+    block, root = group_elements(sizes, weights, n)
     units = [[tuple(v.shape) for k, v in weights.items() if k.startswith(f"blocks.{i}.")]
              for i in range(sizes["layers"])]
     units.append([tuple(v.shape) for k, v in weights.items() if k.startswith("head.")])
@@ -149,8 +155,8 @@ def test_the_exercises_fork_their_ranks_with_fsdp_imported(ranks):
                                                         "torch.distributed.fsdp")
     found = exercise(ZERO3)
     cell = answers.ZERO3_SOLUTION.replace(
-        "def zero3_linear", "import sys\n\nassert {'torch.distributed.fsdp', 'torch._dynamo'} <= set(sys.modules), "
-        "'not preloaded'\n\n\ndef zero3_linear", 1)
+        "def gather_rows", "import sys\n\nassert {'torch.distributed.fsdp', 'torch._dynamo'} <= set(sys.modules), "
+        "'not preloaded'\n\n\ndef gather_rows", 1)
     items = check_exercise(dataclasses.replace(found, runs=found.runs[:1]), cell, ranks=ranks)
     assert all(item.passed for item in items), "\n".join(map(item_line, items))
 
@@ -164,8 +170,7 @@ def test_solution_scores_full_marks(exercise_id, ranks):
 
 @pytest.mark.parametrize("exercise_id", IDS)
 def test_stub_scores_zero_and_says_what_to_write_once(exercise_id, ranks):
-    (hint,) = solution_hints(SOLUTIONS[exercise_id])  # one answer region per cell
-    assert_stub_scores_zero_with_its_hint_once(exercise_id, STUBS[exercise_id], hint, ranks=ranks)
+    assert_stub_scores_zero_with_its_first_hint_once(exercise_id, STUBS[exercise_id], ranks=ranks)
 
 
 UNITS_2, STEP_2, GATHERS_2, UNITS_4, STEP_4, GATHERS_4 = (
@@ -175,11 +180,19 @@ UNITS_2, STEP_2, GATHERS_2, UNITS_4, STEP_4, GATHERS_4 = (
     "every Block and the root are FSDP modules, every parameter Shard(0) on all 4 ranks",
     "one SGD step equals one process on the whole batch (4 ranks)",
     "the forward all-gathers once per Block and once for the root (4 ranks)")
-GRADS_2, TRAFFIC_2, GRADS_4, TRAFFIC_4 = (
-    "each rank's gradient rows equal fully_shard's and one process's (2 ranks)",
-    "all-gather, then reduce-scatter, no all-reduce; the shards stay shards (2 ranks)",
-    "each rank's gradient rows equal fully_shard's and one process's (4 ranks)",
-    "all-gather, then reduce-scatter, no all-reduce; the shards stay shards (4 ranks)")
+VALUES_2, STEPS_2, FREED_2, SCATTERED_2, VALUES_4, STEPS_4, FREED_4, SCATTERED_4 = (
+    "outputs and the shards' gradients equal one process (2 ranks)",
+    "the shards after 3 SGD steps equal one process (2 ranks)",
+    "forward frees the gathered weight, backward gathers it again (2 ranks)",
+    "gradients reduce-scattered, no all-reduce (2 ranks)",
+    "outputs and the shards' gradients equal one process (4 ranks)",
+    "the shards after 3 SGD steps equal one process (4 ranks)",
+    "forward frees the gathered weight, backward gathers it again (4 ranks)",
+    "gradients reduce-scattered, no all-reduce (4 ranks)")
+HSDP_PLACED, HSDP_LEDGER, HSDP_STEPS = (
+    "a 2 x 2 mesh: Replicate() over 'replicate', Shard(0) over 'shard', shard groups of consecutive ranks",
+    "per mesh dim: all-gathers and reduce-scatters in the shard group, all-reduces across the replicas",
+    "2 SGD steps equal one process on the whole batch")
 ACC_STEP_2, ACC_SYNC_2, ACC_STEP_4, ACC_SYNC_4 = (
     "one step equals one process on the whole batch (2 ranks, K=3)",
     "reduce-scatters only in the last micro-batch (2 ranks, K=3)",
@@ -192,8 +205,9 @@ META_BUILT_2, META_VALUES_2, META_BUILT_4, META_VALUES_4 = (
     "every rank's rows equal rank 0's state dict (4 ranks)")
 TOY_CASE_2 = "rank 0, case 1 of 1 (ToyModel with 2 Blocks, 2 rows per rank): "
 TOY_CASE_4 = "rank 0, case 1 of 1 (ToyModel with 3 Blocks, 1 row per rank): "
-LINEAR_2 = "rank 0, case 1 of 1 (Linear(5, 6), 3 rows of the batch and 3 rows of the weight per rank): "
-LINEAR_4 = "rank 0, case 1 of 1 (Linear(3, 8), 2 rows of the batch and 2 rows of the weight per rank): "
+LINEAR_2 = "rank 0, case 1 of 1 (Linear(6, 8) -> ReLU -> Linear(8, 4), 3 rows of the batch per rank): "
+LINEAR_4 = "rank 0, case 1 of 1 (Linear(5, 12) -> ReLU -> Linear(12, 4), 2 rows of the batch per rank): "
+HSDP_CASE = "rank 0, case 1 of 1 (ToyModel with 2 Blocks, shard groups of 2 ranks, 2 rows per rank)"
 MICRO_2 = "rank 0, case 1 of 1 (ToyModel with 2 Blocks, K=3 micro-batches of 2 rows per rank): "
 MICRO_4 = "rank 0, case 1 of 1 (ToyModel with 3 Blocks, K=2 micro-batches of 1 row per rank): "
 ROOT_FIRST = ("RuntimeError: TypeError: Invariant encountered: value was None when it should not be: "
@@ -204,7 +218,10 @@ MESH_OF_2 = (" raised at cell line 10: RuntimeError: IndexError: list index out 
              "2 of the 4 ranks (rank ", " is not in it); FSDP's 1-D mesh holds every rank: "
              "init_device_mesh('cpu', (dist.get_world_size(),)), not a size written in the code")
 ALL_REDUCE = ("all_reduce of {} B = {} floats: every rank receives the whole gradient and keeps only its rows of it; "
-              "reduce-scatter (dist.reduce_scatter_tensor) gives each rank only its rows, with half the traffic")
+              "a reduce-scatter gives each rank only its rows, with half the traffic")
+NO_FREE = ("during forward autograd saved a tensor of shape {} for backward, {} B = {} floats: the size of layer 1's "
+           "whole weight {}. ZeRO-3 frees the gathered weight after forward: save only the input and the shards, and "
+           "gather the weight again in backward")
 NEVER_ON = ("the parameter did not change, so no gradient reached this rank's shard: FSDP reduce-scatters only in a "
             "backward with gradient sync on")
 NO_SCATTER = ("gradient sync stayed off, so nothing reached the shards; turn it back on "
@@ -239,30 +256,24 @@ WRONG = [
     # init_device_mesh("cpu", (2,)): right on 2 ranks; on 4, ranks 2 and 3 are in no mesh.
     pytest.param(SHARD, answers.SHARD_MESH_OF_2, {name: MESH_OF_2 for name in (UNITS_4, STEP_4, GATHERS_4)},
                  id="shard-mesh-of-2"),
-    pytest.param(ZERO3, answers.ZERO3_ALL_REDUCE, {
-        TRAFFIC_2: LINEAR_2 + ALL_REDUCE.format(120, 30),
-        TRAFFIC_4: LINEAR_4 + ALL_REDUCE.format(96, 24),
-    }, id="zero3-all-reduce-then-slice"),
-    pytest.param(ZERO3, answers.ZERO3_ALL_REDUCE_WHOLE, {
-        GRADS_2: LINEAR_2 + "the weight gradient (rows 0 to 2 of 6) shape [6, 5], expected [3, 5]: that is the whole "
-                            "gradient, not this rank's rows 0 to 2; reduce-scatter it",
-        TRAFFIC_2: LINEAR_2 + ALL_REDUCE.format(120, 30),
-        GRADS_4: LINEAR_4 + "the weight gradient (rows 0 to 1 of 8) shape [8, 3], expected [2, 3]: that is the whole "
-                            "gradient",
-        TRAFFIC_4: LINEAR_4 + ALL_REDUCE.format(96, 24),
-    }, id="zero3-all-reduce-whole"),
+    # A Function that only gathers, under F.linear: the right numbers, but the whole weight kept for backward.
+    pytest.param(ZERO3, answers.ZERO3_NO_FREE, {
+        FREED_2: LINEAR_2 + NO_FREE.format([6, 8], 192, 48, [8, 6]),
+        FREED_4: LINEAR_4 + NO_FREE.format([5, 12], 240, 60, [12, 5]),
+    }, id="zero3-gathered-weight-kept-for-backward"),
     pytest.param(ZERO3, answers.ZERO3_SUM, {
-        GRADS_2: LINEAR_2 + "the weight gradient (rows 0 to 2 of 6) element [0, 0] is 0.373484, expected 0.186742: "
-                            "that is 2 times the average, the sum over the ranks; average it (op=dist.ReduceOp.AVG, or "
-                            "divide by the world size)",
-        GRADS_4: LINEAR_4 + "the weight gradient (rows 0 to 1 of 8) element [0, 0] is 0.194005, expected 0.0485012: "
-                            "that is 4 times the average",
-    }, id="zero3-sum"),
-    pytest.param(ZERO3, answers.ZERO3_KEEPS_FULL, {
-        TRAFFIC_2: LINEAR_2 + "after zero3_linear returns, weight_shard holds [6, 5], not this rank's [3, 5]: the "
-                              "gathered weight was kept in the shard. ZeRO-3 keeps only the shard between uses",
-        TRAFFIC_4: LINEAR_4 + "after zero3_linear returns, weight_shard holds [8, 3], not this rank's [2, 3]",
-    }, id="zero3-gathered-into-the-shard"),
+        VALUES_2: LINEAR_2 + "the gradient of layer 1's weight shard (rows 0 to 3 of 8) element [0, 0] is 0.278295, "
+                             "expected 0.139148: that is 2 times the average, the sum over the ranks; average it",
+        STEPS_2: LINEAR_2 + "after 3 SGD steps the shard of layer 1's weight (rows 0 to 3 of 8) element [0, 0] is "
+                            "0.137757, expected 0.1648",
+        VALUES_4: (LINEAR_4, "that is 4 times the average, the sum over the ranks; average it"),
+        STEPS_4: (LINEAR_4, "after 3 SGD steps the shard of layer 1's weight (rows 0 to 2 of 12)"),
+    }, id="zero3-sum-not-averaged"),
+    # All-reduce the whole gradient, then keep this rank's rows: the right numbers, twice the traffic.
+    pytest.param(ZERO3, answers.ZERO3_ALL_REDUCE, {
+        SCATTERED_2: LINEAR_2 + ALL_REDUCE.format(128, 32),
+        SCATTERED_4: LINEAR_4 + ALL_REDUCE.format(192, 48),
+    }, id="zero3-all-reduce-then-slice"),
     pytest.param(ACCUMULATE, answers.ACCUMULATE_NEVER_ON, {
         ACC_STEP_2: MICRO_2 + "after the step its shard of blocks.0.up.weight (rows 0 to 6 of 13) element [0, 0] is "
                               "0.23739, expected 0.234917: " + NEVER_ON,
@@ -305,6 +316,20 @@ WRONG = [
                       "so every rank held and initialised the whole model; call it inside `with torch.device('meta'):`",
         META_BUILT_4: "rank 0, case 1 of 1 (ToyModel with 3 Blocks): build() made the parameters on the cpu device",
     }, id="meta-built-on-the-cpu"),
+    # The names swapped: the same groups, but fully_shard replicates over dim 0 whatever it is called.
+    pytest.param(HSDP, answers.HSDP_NAMES_SWAPPED, {
+        HSDP_PLACED: HSDP_CASE + ": blocks.0.up.weight is Replicate() over the dim you named 'shard' (dim 0) and "
+                                 "Shard(dim=0) over 'replicate' (dim 1): fully_shard on a 2-D mesh replicates over "
+                                 "dim 0 and shards over dim 1",
+    }, id="hsdp-dim-names-swapped"),
+    # A 1-D mesh of every rank: FSDP over 4 ranks, nothing replicated (the numbers are right).
+    pytest.param(HSDP, answers.HSDP_ONE_DIM, {
+        HSDP_PLACED: HSDP_CASE + ": the mesh is 1-D, shape (4,): every parameter is sharded over all its 4 ranks, "
+                                 "which is FSDP, not HSDP",
+        HSDP_LEDGER: HSDP_CASE + ", the last training step: the ledger shows 5 all-gathers in ranks 0,1,2,3, 3 "
+                                 "reduce-scatters in ranks 0,1,2,3, expected 5 all-gathers in ranks 0,1, 3 all-reduces "
+                                 "in ranks 0,2, 3 reduce-scatters in ranks 0,1: every collective runs over all 4 ranks",
+    }, id="hsdp-one-dim-mesh-of-4"),
 ]
 
 
@@ -330,11 +355,6 @@ HANGS = [
     pytest.param(META, answers.META_LOAD_ON_RANK_0, [
         "rank 0 is still in your function: it is waiting in broadcast_object_list #1 (world group)",
         "rank 1 finished your function and waits in the checker's barrier (world group)"], id="load-on-rank-0-only"),
-    # The weight's reduce-scatter, after the two all-gathers (#1, #2) of the function: 6 x 5 floats.
-    pytest.param(ZERO3, answers.ZERO3_SCATTER_ON_RANK_0, [
-        "rank 0 is still in your function: it is waiting in reduce_scatter_single #3 (120 B, world group)",
-        "rank 1 finished your function and waits in the checker's barrier (world group)"],
-        id="reduce-scatter-on-rank-0-only"),
 ]
 
 

@@ -6,14 +6,24 @@ every driver follows: copy the inputs, return plain data).
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import torch
 
 from ...drivers import describe
-from ..lesson04.drivers import toy_from_weights
 
-__all__ = ['fsdp2_shard', 'zero3_linear', 'fsdp2_accumulation', 'fsdp2_meta_init']
+__all__ = ["fsdp2_accumulation", "fsdp2_hsdp", "fsdp2_meta_init", "fsdp2_shard", "placements_of", "toy_from_weights",
+           "two_layers", "zero3_linear"]
+
+
+def toy_from_weights(sizes: dict, weights: dict) -> torch.nn.Module:
+    """course_lib.models.ToyModel(**sizes) holding copies of `weights` (a state dict)."""
+    from ....models import ToyModel
+
+    model = ToyModel(**sizes)
+    model.load_state_dict(weights)
+    return model
 
 
 def _mesh_1d() -> object:
@@ -42,7 +52,7 @@ def _local_shards(model: torch.nn.Module) -> dict:
             for name, p in model.named_parameters()}
 
 
-def _placements(model: torch.nn.Module) -> dict:
+def placements_of(model: torch.nn.Module) -> dict:
     """{name: what the parameter is, as plain data}: type, device, and a DTensor's placements and mesh."""
     from torch.distributed.tensor import DTensor
 
@@ -52,7 +62,8 @@ def _placements(model: torch.nn.Module) -> dict:
         if isinstance(p, DTensor):
             mesh = p.device_mesh
             entry.update(placements=[repr(x) for x in p.placements], mesh_shape=list(mesh.shape),
-                         mesh_ranks=mesh.mesh.flatten().tolist(), mesh_device=mesh.device_type)
+                         mesh_ranks=mesh.mesh.flatten().tolist(), mesh_device=mesh.device_type,
+                         mesh_names=list(mesh.mesh_dim_names or ()), coordinate=list(mesh.get_coordinate() or ()))
         described[name] = entry
     return described
 
@@ -117,7 +128,7 @@ def fsdp2_shard(fn: Callable, sizes: dict, weights: dict, inputs: torch.Tensor, 
             raise
         raise explained from exc
     units = [name for name, module in model.named_modules() if isinstance(module, FSDPModule)]
-    described = _placements(model)
+    described = placements_of(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     started = time.monotonic()
     outputs = model(inputs)
@@ -128,40 +139,109 @@ def fsdp2_shard(fn: Callable, sizes: dict, weights: dict, inputs: torch.Tensor, 
             "returned": describe(returned)}
 
 
-def _fully_shard_linear_grads(weights: dict, inputs: torch.Tensor, targets: torch.Tensor) -> list:
-    """fully_shard(nn.Linear holding `weights`), one backward of mse_loss on this rank's rows: this rank's
-    gradient shards (the local tensors of weight.grad and bias.grad), what 05.zero3_linear must equal."""
-    from torch.distributed.fsdp import fully_shard
+def two_layers(features: int, hidden: int, out: int) -> torch.nn.Module:
+    """Linear(features, hidden) -> ReLU -> Linear(hidden, out): 05.zero3_linear's model in one process (its
+    state dict's keys are 0.* and 2.*)."""
+    return torch.nn.Sequential(torch.nn.Linear(features, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, out))
 
-    out_features, in_features = weights["weight"].shape
+
+def _linear(weights: dict, prefix: str) -> torch.nn.Linear:
+    out_features, in_features = weights[f"{prefix}.weight"].shape
     linear = torch.nn.Linear(in_features, out_features)
-    linear.load_state_dict(weights)
-    fully_shard(linear, mesh=_mesh_1d())
-    torch.nn.functional.mse_loss(linear(inputs), targets).backward()
-    return [p.grad.to_local().detach().clone() for p in (linear.weight, linear.bias)]
+    linear.load_state_dict({"weight": weights[f"{prefix}.weight"], "bias": weights[f"{prefix}.bias"]})
+    return linear
 
 
-def zero3_linear(fn: Callable, weights: dict, inputs: torch.Tensor, targets: torch.Tensor) -> dict:
-    """fn(weight_shard, bias_shard, inputs, targets) with this rank's dim-0 rows of the Linear's weight and
-    bias returns this rank's rows of the gradient averaged over the ranks. Send back what it returned, what
-    fully_shard gives on the same Linear and rows, the shards afterwards, and when fn ran (for the ledger)."""
+def _layer_problem(module: object, linear_shape: tuple, rows: int) -> str:
+    """"" if `module` holds Parameters `weight` [rows, in] and `bias` [rows]; else what it holds instead."""
+    if not isinstance(module, torch.nn.Module):
+        return f"ShardedLinear(...) made a {describe(module)}, not an nn.Module"
+    expected = {"weight": [rows, linear_shape[1]], "bias": [rows]}
+    held = {name: list(p.shape) for name, p in module.named_parameters()}
+    if held != expected:
+        shown = ", ".join(f"{name} {shape}" for name, shape in held.items()) or "none"
+        return (f"ShardedLinear(Linear({linear_shape[1]}, {linear_shape[0]})) holds the parameters {shown}, expected "
+                f"exactly weight {expected['weight']} and bias {expected['bias']}: this rank's rows, as Parameters")
+    return ""
+
+
+def zero3_linear(fn: Callable, weights: dict, inputs: torch.Tensor, targets: torch.Tensor, lr: float,
+                 steps: int) -> dict:
+    """`fn` is the learner's ShardedLinear class. Build Sequential(ShardedLinear(Linear 0), ReLU, ShardedLinear(
+    Linear 2)) from the full Linears holding `weights` (the same on every rank), run `steps` SGD(lr) steps on
+    this rank's rows (inputs that require grad, as a layer inside a model gets). Send back the first forward's
+    output, what autograd saved during it (shapes), when the first forward and backward ran (for the ledger),
+    the shards' first gradients, and the shards after the steps. The whole block counts as the learner's code."""
     import time
 
     import torch.distributed as dist
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    rows = weights["weight"].shape[0] // world  # the cases' out_features divide by the world size: no padding
-    fsdp = _fully_shard_linear_grads(weights, inputs, targets)
-    shards = [weights[name][rank * rows:(rank + 1) * rows].clone() for name in ("weight", "bias")]
-    started = time.monotonic()
-    returned = fn(*shards, inputs.clone(), targets.clone())
-    span = [started, time.monotonic()]
-    if isinstance(returned, (list, tuple)) and len(returned) == 2 and \
-            all(isinstance(x, torch.Tensor) for x in returned):
-        grads = [x.detach().clone() for x in returned]
-    else:
-        grads = describe(returned) + (f" of {len(returned)}" if isinstance(returned, (list, tuple)) else "")
-    return {"grads": grads, "fsdp": fsdp, "after": [s.detach().clone() for s in shards], "span": span}
+    cls, world = inspect.unwrap(fn), dist.get_world_size()
+    saved: list[list[int]] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(list(tensor.shape))
+        return tensor
+
+    with fn.learner_code():
+        layers = []
+        for prefix in ("0", "2"):
+            linear = _linear(weights, prefix)
+            layers.append(cls(linear))
+            problem = _layer_problem(layers[-1], tuple(linear.weight.shape), linear.out_features // world)
+            if problem:
+                return {"problem": problem}
+        del linear  # the whole Linear lives on only if the learner's module kept it
+        model = torch.nn.Sequential(layers[0], torch.nn.ReLU(), layers[1])
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        x = inputs.clone().requires_grad_()
+        started = time.monotonic()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            outputs = model(x)
+        forward = [started, time.monotonic()]
+        torch.nn.functional.mse_loss(outputs, targets).backward()
+        backward = [forward[1], time.monotonic()]
+        grads = {name: p.grad.detach().clone() if isinstance(p.grad, torch.Tensor) else describe(p.grad)
+                 for name, p in model.named_parameters()}
+        optimizer.step()
+        for _ in range(steps - 1):
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(inputs), targets).backward()
+            optimizer.step()
+    return {"outputs": outputs.detach().clone(), "saved": saved, "forward": forward, "backward": backward,
+            "grads": grads, "params": {name: p.detach().clone() for name, p in model.named_parameters()}}
+
+
+def fsdp2_hsdp(fn: Callable, sizes: dict, weights: dict, inputs: torch.Tensor, targets: torch.Tensor, lr: float,
+               shard_size: int, steps: int) -> dict:
+    """fn(model, shard_size) shards ToyModel(**sizes) holding `weights` over a 2-D mesh it builds and returns.
+    Send back the mesh (shape, dim names, this rank's group and coordinate in each dim), the FSDP modules,
+    every parameter's placements, when each of `steps` SGD(lr) steps ran (for the ledger) and this rank's
+    rows of each parameter afterwards."""
+    import time
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule
+
+    model = toy_from_weights(sizes, weights)
+    mesh = fn(model, shard_size)
+    if not isinstance(mesh, DeviceMesh):
+        return {"returned": describe(mesh)}
+    groups = [dist.get_process_group_ranks(mesh.get_group(dim)) for dim in range(mesh.ndim)]
+    described = {"shape": list(mesh.shape), "names": list(mesh.mesh_dim_names or ()), "groups": groups,
+                 "coordinate": list(mesh.get_coordinate() or ())}
+    units = [name for name, module in model.named_modules() if isinstance(module, FSDPModule)]
+    params = placements_of(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    spans = []
+    for _ in range(steps):
+        started = time.monotonic()
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(inputs), targets).backward()
+        optimizer.step()
+        spans.append([started, time.monotonic()])
+    return {"mesh": described, "units": units, "params": params, "steps": spans, "shards": _local_shards(model)}
 
 
 def fsdp2_accumulation(fn: Callable, sizes: dict, weights: dict, micro_batches: list, lr: float) -> dict:
@@ -204,4 +284,4 @@ def fsdp2_meta_init(fn: Callable, sizes: dict, full_state: dict, seed: int) -> d
                            "broadcast each tensor, and every rank keeps its own rows of it") from exc
     if not isinstance(model, torch.nn.Module):
         return {"built_on": built_on, "returned": describe(model)}
-    return {"built_on": built_on, "params": _placements(model), "shards": _local_shards(model)}
+    return {"built_on": built_on, "params": placements_of(model), "shards": _local_shards(model)}
