@@ -252,11 +252,11 @@ def fsdp_memory(fn: Callable, units: list, strategy: str, optimizer: str) -> dic
     build = {"adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
              "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
              "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1)}[optimizer]
+    returned = fn([[tuple(shape) for shape in shapes] for shapes in units], strategy, dist.get_world_size(), optimizer)
     generator = torch.Generator().manual_seed(dist.get_rank())
     batch = (torch.randn(2, 3, generator=generator), torch.randn(2, 3, generator=generator))
     measured = measure_step(fsdp_model, build(fsdp_model.parameters()), batch, torch.nn.functional.mse_loss,
                             strategy="fsdp1")["phases"]["step"]
-    returned = fn([[tuple(shape) for shape in shapes] for shapes in units], strategy, dist.get_world_size(), optimizer)
     if isinstance(returned, dict) and all(isinstance(v, int) and not isinstance(v, bool) for v in returned.values()):
         answer = {str(k): int(v) for k, v in returned.items()}
     else:
