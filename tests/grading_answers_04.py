@@ -136,3 +136,43 @@ POLICY_NO_BLOCKS = POLICY_SOLUTION.replace("    if isinstance(module, Block):\n 
 
 # The sharded state dict: each rank's part of each parameter, as ShardedTensors (for distributed checkpoints).
 SAVE_SHARDED = SAVE_LOCAL.replace("LOCAL_STATE_DICT", "SHARDED_STATE_DICT")
+
+MEMORY_SOLUTION = '''%%exercise 04.memory_per_rank
+import math
+
+FLOAT32 = 4
+STATE_TENSORS = {"adam": 2, "sgd-momentum": 1, "sgd": 0}
+
+
+def memory_per_rank(units, strategy: str, world_size: int, optimizer: str) -> dict:
+    """Bytes of parameters, gradients and optimizer state this rank holds after one step."""
+    group = 1 if strategy == "NO_SHARD" else world_size
+    sizes = [sum(math.prod(shape) for shape in shapes) for shapes in units]
+    flats = [-(-size // group) for size in sizes if size]
+    held = sum(flats)
+    state = STATE_TENSORS[optimizer] * FLOAT32 * held
+    if optimizer == "adam":
+        state += 4 * len(flats)
+    return {"parameters": FLOAT32 * held, "gradients": FLOAT32 * held, "optimizer": state}
+'''
+
+# No padding: floor division of each unit's elements.
+MEMORY_NO_PADDING = MEMORY_SOLUTION.replace("-(-size // group)", "size // group")
+
+# SHARD_GRAD_OP read as ZeRO-2 (the lesson's table row): its parameters whole, gradients and state sharded.
+MEMORY_SHARD_GRAD_OP_WHOLE = MEMORY_SOLUTION.replace(
+    '    return {"parameters": FLOAT32 * held,',
+    '    whole = sum(sizes) if strategy == "SHARD_GRAD_OP" else held\n'
+    '    return {"parameters": FLOAT32 * whole,')
+
+# NO_SHARD's gradients sharded like FULL_SHARD's.
+MEMORY_NO_SHARD_GRADS_SHARDED = MEMORY_SOLUTION.replace(
+    '"gradients": FLOAT32 * held,', '"gradients": FLOAT32 * sum(-(-size // world_size) for size in sizes if size),')
+
+# Adam's state as one tensor per parameter, no step.
+MEMORY_ADAM_ONE_TENSOR = MEMORY_SOLUTION.replace('{"adam": 2,', '{"adam": 1,').replace(
+    "        state += 4 * len(flats)\n", "        pass\n")
+
+# Adam's step counted per original parameter instead of per FlatParameter.
+MEMORY_STEP_PER_PARAMETER = MEMORY_SOLUTION.replace(
+    "        state += 4 * len(flats)\n", "        state += 4 * sum(len(shapes) for shapes in units)\n")

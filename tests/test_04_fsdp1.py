@@ -20,13 +20,18 @@ import pytest
 
 import grading_answers_04 as answers
 from exercise_checks import (
-    assert_full_marks, assert_hang_is_named, assert_stub_scores_zero_with_its_hint_once, failed_items, solution_hints)
+    assert_full_marks, assert_hang_is_named, assert_stub_scores_zero_with_its_first_hint_once, failed_items)
 from exercise_notebooks import exercise_sections, markdown_cells
 from course_lib import theory
 from course_lib.grading.cells import EXERCISE_ID, exercise_cells
 from course_lib.grading.checker import check_exercise, preload_for, rank_set_for
-from course_lib.grading.lessons.lesson04.exercises import (
-    ATOL, LR, MIN_NUMEL, RTOL, WRAP_A, WRAP_B, _linears, clip_reference, expected_units, flat_shard)
+from course_lib.grading.lessons.lesson04.clip_grad_norm import clip_reference
+from course_lib.grading.lessons.lesson04.common import ATOL, LR, RTOL
+from course_lib.grading.lessons.lesson04.flat_shard_numel import flat_shard
+from course_lib.grading.lessons.lesson04.memory_per_rank import UNITS_2 as MEMORY_UNITS_2
+from course_lib.grading.lessons.lesson04.memory_per_rank import UNITS_3 as MEMORY_UNITS_3
+from course_lib.grading.lessons.lesson04.memory_per_rank import memory_reference
+from course_lib.grading.lessons.lesson04.wrap_policy import MIN_NUMEL, WRAP_A, WRAP_B, expected_units, linear_sizes
 from course_lib.grading.registry import exercise, exercises_of_lesson
 from course_lib.grading.report import item_line
 
@@ -35,7 +40,7 @@ NOTEBOOK = "04_fsdp1.ipynb"
 SOLUTIONS = exercise_cells(nbformat.read(ROOT / "solutions" / NOTEBOOK, as_version=4))
 STUBS = exercise_cells(nbformat.read(ROOT / "exercises" / NOTEBOOK, as_version=4))
 IDS = exercises_of_lesson("04")
-POLICY, SHARD, CLIP, SAVE = IDS
+POLICY, SHARD, CLIP, SAVE, MEMORY = IDS
 HANG_S = 4  # the deadline of a run that hangs: long enough for the FSDP training before the hang
 
 
@@ -55,7 +60,8 @@ def _sections(notebook: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("notebook", ["solutions", "exercises"])
 def test_the_notebook_lists_exactly_the_exercises_graded(notebook):
-    assert IDS == ["04.wrap_policy", "04.flat_shard_numel", "04.clip_grad_norm", "04.full_state_dict"]
+    assert IDS == ["04.wrap_policy", "04.flat_shard_numel", "04.clip_grad_norm", "04.full_state_dict",
+                   "04.memory_per_rank"]
     cells = exercise_cells(nbformat.read(ROOT / notebook / NOTEBOOK, as_version=4))
     assert list(cells) == IDS  # the %%exercise cells, in the registry's order
     markdown = "\n".join(_markdown(notebook))
@@ -77,7 +83,7 @@ def _linear_phrases(sizes: dict) -> list[str]:
 
     modules = dict(wrap_model(sizes).named_modules())
     phrases = []
-    for name, (numel, inside) in _linears(sizes).items():
+    for name, (numel, inside) in linear_sizes(sizes).items():
         if not inside:
             linear = modules[name]
             count = f"exactly {numel} parameters" if numel == MIN_NUMEL else str(numel)
@@ -96,6 +102,12 @@ def _case_phrases(exercise_id: str, case: dict) -> list[str]:
     if exercise_id == SHARD:
         numels = [math.prod(shape) for shape in case[0][0]]
         return [f"{numels}` ({sum(numels)} elements)"]
+    if exercise_id == MEMORY:
+        units, strategy, optimizer = case[0]
+        names = {"adam": "Adam", "sgd-momentum": "SGD(momentum=0.9)", "sgd": "SGD"}
+        numels = [sum(math.prod(shape) for shape in shapes) for shapes in units]
+        return [f"`units={units}`",
+                f"units of {_and([str(k) for k in numels])} elements", f"{strategy} with {names[optimizer]}"]
     if exercise_id == CLIP:
         _, weights, inputs, targets, max_norm = case[0]
         rows = inputs.shape[0]
@@ -130,7 +142,7 @@ def test_each_exercise_states_its_deadline_cases_and_allowed_calls(exercise_id):
     if exercise_id in (POLICY, SAVE):
         assert f"lr {LR:g}" in text
     if exercise_id == POLICY:
-        assert f"`MIN_NUMEL = {MIN_NUMEL}`" in text and "nonwrapped_numel >= MIN_NUMEL" in text
+        assert f"`MIN_NUMEL = {MIN_NUMEL}`" in text and "**at least**" in text
     if exercise_id == CLIP:
         assert "relative 1e-4" in text and "max_norm / (norm + 1e-6)" in text
     for op in sorted(found.allowed_ops):
@@ -150,11 +162,32 @@ def test_the_shard_reference_is_fsdp1s_layout_in_theory():
     assert flat_shard([5], 4) == (2, 3) and theory.fsdp1_flat_shards([("p", 5)], 4)[2].padding == 1  # on 2 ranks
 
 
+def test_the_memory_reference_is_measure_steps_prediction():
+    """memory_reference (the checker's words) and course_lib.measure.memory.predict_step (the lesson's formula for
+    FULL_SHARD, and NO_SHARD as one rank's FSDP) agree after the step, padding and Adam's steps included."""
+    from course_lib.measure.memory import predict_step
+
+    for units in (MEMORY_UNITS_2, MEMORY_UNITS_3):
+        shapes = [(f"u{i}.p{j}" if i else f"p{j}", shape) for i, unit in enumerate(units) for j, shape in
+                  enumerate(unit)]
+        prefixes = [f"u{i}" for i in range(1, len(units))]
+        for world in (2, 3, 4):
+            for optimizer in ("adam", "sgd-momentum", "sgd"):
+                for strategy, size in (("FULL_SHARD", world), ("NO_SHARD", 1)):
+                    step = predict_step(shapes, strategy="fsdp1", world_size=size, rank=0, units=prefixes,
+                                        optimizer=optimizer)["phases"]["step"]
+                    expected = {k: step[k] for k in ("parameters", "gradients", "optimizer")}
+                    assert memory_reference(units, strategy, world, optimizer) == expected, (units, world, strategy)
+                    assert memory_reference(units, "SHARD_GRAD_OP", world, optimizer) == \
+                        memory_reference(units, "FULL_SHARD", world, optimizer)
+
+
 def test_the_policy_cases_sit_on_the_boundary():
     """stem.0 has exactly MIN_NUMEL parameters in one case and one fewer in the other: `>` and `>=` differ."""
-    assert _linears(WRAP_A)["stem.0"] == (MIN_NUMEL, False) and _linears(WRAP_B)["stem.0"] == (MIN_NUMEL - 1, False)
+    assert linear_sizes(WRAP_A)["stem.0"] == (MIN_NUMEL, False)
+    assert linear_sizes(WRAP_B)["stem.0"] == (MIN_NUMEL - 1, False)
     assert "stem.0" in expected_units(WRAP_A) and "stem.0" not in expected_units(WRAP_A, strictly_more=True)
-    assert all(numel < MIN_NUMEL for numel, inside in _linears(WRAP_B).values() if inside)
+    assert all(numel < MIN_NUMEL for numel, inside in linear_sizes(WRAP_B).values() if inside)
 
 
 def test_the_exercises_fork_their_ranks_with_fsdp_imported(ranks):
@@ -174,9 +207,8 @@ def test_solution_scores_full_marks(exercise_id, ranks):
 
 
 @pytest.mark.parametrize("exercise_id", IDS)
-def test_stub_scores_zero_and_says_what_to_write_once(exercise_id, ranks):
-    (hint,) = solution_hints(SOLUTIONS[exercise_id])  # one answer region per cell
-    assert_stub_scores_zero_with_its_hint_once(exercise_id, STUBS[exercise_id], hint, ranks=ranks)
+def test_stub_scores_zero_and_shows_its_first_hint_once(exercise_id, ranks):
+    assert_stub_scores_zero_with_its_first_hint_once(exercise_id, STUBS[exercise_id], ranks=ranks)
 
 
 UNITS_2, UNITS_3 = ("the FSDP units: the root, each Block, stem.0 with exactly 1000 parameters (2 ranks)",
@@ -256,8 +288,8 @@ WRONG = [
     pytest.param(CLIP, answers.CLIP_LOCAL, {
         NORM_2: "rank 0, case 1 of 1 (max_norm=0.5, batch of 8 split over 2 ranks): the norm is 1.2341, expected "
                 "1.57306 (all gradients, every rank's shard): that is the norm of this rank's shard only "
-                "(torch.nn.utils.clip_grad_norm_ over model.parameters() sees the local FlatParameter shards); use "
-                "model.clip_grad_norm_(max_norm)",
+                "(torch.nn.utils.clip_grad_norm_ over model.parameters() sees the local FlatParameter shards); the "
+                "whole norm covers every rank's shard",
         GRADS_2: "rank 0, case 1 of 1 (max_norm=0.5, batch of 8 split over 2 ranks): this rank's shard of "
                  "head.weight's gradient (elements 0 to 22) element 0 is -0.0644209, expected -0.0505395: clipped by "
                  "another norm than the total, 1.57306",
@@ -267,8 +299,8 @@ WRONG = [
     }, id="clip-with-torch-nn-utils"),
     pytest.param(CLIP, answers.CLIP_SUMS_NORMS, {
         NORM_2: "rank 0, case 1 of 1 (max_norm=0.5, batch of 8 split over 2 ranks): the norm is 2.20956, expected "
-                "1.57306 (all gradients, every rank's shard): that is the sum of the ranks' shard norms; all-reduce "
-                "the sum of squares, then take the square root",
+                "1.57306 (all gradients, every rank's shard): that is the sum of the ranks' shard norms; norms do "
+                "not add: their squares do",
         GRADS_2: "clipped by another norm than the total, 1.57306",
         NORM_3: "the norm is 3.09203, expected 1.78757 (all gradients, every rank's shard): that is the sum of the "
                 "ranks' shard norms",
@@ -288,6 +320,48 @@ WRONG = [
         PARAMS_2: SHARDED_FILE,
         PARAMS_3: "rank 0, case 1 of 1 (1 SGD step, 2 rows per rank per step): " + SHARDED_FILE,
     }, id="save-sharded-state-dict"),
+]
+
+
+MEMORY_ITEMS = {n: [f"{what} per rank after the step, FULL_SHARD, SHARD_GRAD_OP and NO_SHARD ({n} ranks)"
+                    for what in ("parameters", "gradients", "optimizer state")] for n in (2, 3)}
+(PARAMS_M2, GRADS_M2, OPTIM_M2), (PARAMS_M3, GRADS_M3, OPTIM_M3) = MEMORY_ITEMS[2], MEMORY_ITEMS[3]
+MEMORY_CASE_2 = "rank 0, case {} of 3 ({}, units of 21, 36, 9 elements, world_size=2): "
+MEMORY_CASE_3 = "rank 0, case {} of 3 ({}, units of 48, 50, 56, 4 elements, world_size=3): "
+NO_PADDING = "no padding: a FlatParameter is padded to a multiple of the world size before it is split"
+WRONG += [
+    pytest.param(MEMORY, answers.MEMORY_NO_PADDING, {
+        PARAMS_M2: MEMORY_CASE_2.format(1, "FULL_SHARD, adam") + "parameters 128 B, the rank measured 136 B: "
+        + NO_PADDING,
+        GRADS_M2: NO_PADDING, OPTIM_M2: "optimizer 268 B, the rank measured 284 B: " + NO_PADDING,
+        PARAMS_M3: MEMORY_CASE_3.format(1, "FULL_SHARD, sgd-momentum") + "parameters 204 B, the rank measured "
+        "216 B: " + NO_PADDING,
+        GRADS_M3: NO_PADDING, OPTIM_M3: NO_PADDING,
+    }, id="memory-without-padding"),
+    pytest.param(MEMORY, answers.MEMORY_SHARD_GRAD_OP_WHOLE, {
+        PARAMS_M2: MEMORY_CASE_2.format(2, "SHARD_GRAD_OP, sgd-momentum") + "parameters 264 B, the rank measured "
+        "136 B: SHARD_GRAD_OP's parameters counted whole: between steps (after optimizer.step()) it keeps only each "
+        "rank's shard",
+        PARAMS_M3: MEMORY_CASE_3.format(2, "SHARD_GRAD_OP, adam") + "parameters 632 B, the rank measured 216 B: "
+        "SHARD_GRAD_OP's parameters counted whole",
+    }, id="memory-shard-grad-op-parameters-whole"),
+    pytest.param(MEMORY, answers.MEMORY_NO_SHARD_GRADS_SHARDED, {
+        GRADS_M2: MEMORY_CASE_2.format(3, "NO_SHARD, adam") + "gradients 136 B, the rank measured 264 B: NO_SHARD's "
+        "gradients counted sharded: NO_SHARD all-reduces every gradient (DDP), so each rank holds all of them",
+        GRADS_M3: MEMORY_CASE_3.format(3, "NO_SHARD, sgd") + "gradients 216 B, the rank measured 632 B: NO_SHARD's "
+        "gradients counted sharded",
+    }, id="memory-no-shard-gradients-sharded"),
+    pytest.param(MEMORY, answers.MEMORY_ADAM_ONE_TENSOR, {
+        OPTIM_M2: MEMORY_CASE_2.format(1, "FULL_SHARD, adam") + "optimizer 136 B, the rank measured 284 B: Adam's "
+        "state counted as one tensor per parameter: it keeps two (exp_avg and exp_avg_sq) and a step",
+        OPTIM_M3: MEMORY_CASE_3.format(2, "SHARD_GRAD_OP, adam") + "optimizer 216 B, the rank measured 448 B: "
+        "Adam's state counted as one tensor per parameter",
+    }, id="memory-adam-one-tensor"),
+    pytest.param(MEMORY, answers.MEMORY_STEP_PER_PARAMETER, {
+        OPTIM_M2: MEMORY_CASE_2.format(1, "FULL_SHARD, adam") + "optimizer 292 B, the rank measured 284 B: Adam's "
+        "step counted per original parameter: the optimizer sees one parameter per FlatParameter",
+        OPTIM_M3: "optimizer 460 B, the rank measured 448 B: Adam's step counted per original parameter",
+    }, id="memory-adam-step-per-parameter"),
 ]
 
 

@@ -12,7 +12,7 @@ import torch
 
 from ...drivers import describe
 
-__all__ = ['wrap_model', 'toy_from_weights', 'fsdp_wrap_policy', 'fsdp_flat_shard', 'fsdp_clip', 'fsdp_save']
+__all__ = ['wrap_model', 'toy_from_weights', 'fsdp_wrap_policy', 'fsdp_flat_shard', 'fsdp_clip', 'fsdp_save', 'fsdp_memory']
 
 
 def _fsdp(model: torch.nn.Module, **kwargs):
@@ -202,3 +202,63 @@ def fsdp_save(fn: Callable, sizes: dict, weights: dict, steps: list, lr: float, 
                            "CPU frees the gathered parameters before they are read (pytorch/pytorch#188989); "
                            "offload only from a GPU (offload_to_cpu=False here)") from exc
     return {"file": _describe_file(path), "returned": describe(returned)}
+
+
+def _shapes_model(units: list) -> tuple:
+    """(model, the submodules' class): a model whose root holds parameters of the shapes units[0] and whose `units` (a ModuleList) hold one
+    submodule per other entry; forward runs every submodule, then the root's own parameters, so each gets a
+    gradient. (batch, features) -> (batch, features)."""
+
+    class Unit(torch.nn.Module):
+        def __init__(self, shapes: list):
+            super().__init__()
+            for index, shape in enumerate(shapes):
+                self.register_parameter(f"p{index}", torch.nn.Parameter(torch.randn(shape)))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * (1 + 1e-3 * sum(p.square().sum() for p in self._parameters.values()))
+
+    class Shapes(Unit):
+        def __init__(self, units: list):
+            super().__init__(units[0])
+            self.units = torch.nn.ModuleList(Unit(shapes) for shapes in units[1:])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for unit in self.units:
+                x = unit(x)
+            return super().forward(x)
+
+    return Shapes(units), Unit
+
+
+def fsdp_memory(fn: Callable, units: list, strategy: str, optimizer: str) -> dict:
+    """FSDP(a model of `units`' shapes, one unit per submodule, sharding_strategy=`strategy`) and one step of
+    `optimizer` under measure_step; send back fn(units, strategy, world_size, optimizer) and the bytes of
+    parameters, gradients and optimizer state this rank measured after the step."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from ....measure.memory import measure_step
+
+    torch.manual_seed(0)
+    model, unit_type = _shapes_model([[tuple(shape) for shape in shapes] for shapes in units])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*NO_SHARD.*deprecated")  # FSDP1's advice to use DDP instead
+        fsdp_model = _fsdp(model, auto_wrap_policy=ModuleWrapPolicy({unit_type}),
+                           sharding_strategy=ShardingStrategy[strategy])
+    build = {"adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
+             "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+             "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1)}[optimizer]
+    returned = fn([[tuple(shape) for shape in shapes] for shapes in units], strategy, dist.get_world_size(), optimizer)
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    batch = (torch.randn(2, 3, generator=generator), torch.randn(2, 3, generator=generator))
+    measured = measure_step(fsdp_model, build(fsdp_model.parameters()), batch, torch.nn.functional.mse_loss,
+                            strategy="fsdp1")["phases"]["step"]
+    if isinstance(returned, dict) and all(isinstance(v, int) and not isinstance(v, bool) for v in returned.values()):
+        answer = {str(k): int(v) for k, v in returned.items()}
+    else:
+        answer = describe(returned)
+    return {"answer": answer, "measured": {k: int(measured[k]) for k in ("parameters", "gradients", "optimizer")}}
