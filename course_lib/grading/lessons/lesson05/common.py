@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from ....theory import chunk_sizes, fsdp2_padded_shard_numel
 from ...compare import first_difference
+# One process's tolerances, learning rate, batches, weights and SGD are lesson 04's.
+from ..lesson04.common import ATOL, LR, RTOL, sgd_reference
+from ..lesson04.common import draw_batch as batch
+from ..lesson04.common import draw_weights as weights_of
 
 __all__ = ["ATOL", "FSDP2_OPS", "FSDP2_PRELOAD", "LR", "RTOL", "TOY_2", "TOY_3", "all_gather_elements", "batch",
            "expected_placements", "floats", "rows_text", "rows_wrong", "sgd_reference", "shard_rows", "toy",
            "toy_weights", "weights_of"]
 
-RTOL, ATOL = 1e-5, 1e-6  # float32 results that differ from one process only by the order of additions
-LR = 0.1  # SGD's learning rate
 # What fully_shard calls: on CPU with torch 2.13 and 2.15 the *_single forms; elsewhere their older spellings.
 FSDP2_OPS = frozenset({"all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single"})
 # fully_shard, DTensor and DeviceMesh (about 0.8 s a process), and torch._dynamo, which the first fully_shard
@@ -25,34 +27,6 @@ FSDP2_OPS = frozenset({"all_gather_into_tensor", "all_gather_single", "reduce_sc
 FSDP2_PRELOAD = ("torch._dynamo", "torch.distributed.fsdp")
 TOY_2 = {"dim": 8, "hidden": 13, "layers": 2, "out": 5}  # ToyModel's defaults: 503 parameters
 TOY_3 = {"dim": 8, "hidden": 13, "layers": 3, "out": 5}  # on 4 ranks: the head's 5 rows are 2, 2, 1 and 0
-
-
-def batch(size: int, features: int, out: int, seed: int) -> tuple:
-    """(inputs, targets) of `size` rows, drawn from `seed`."""
-    import torch
-
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(size, features, generator=generator), torch.randn(size, out, generator=generator)
-
-
-def weights_of(build, seed: int) -> dict:
-    """A state dict drawn as torch draws the model's parameters, from `seed`."""
-    import torch
-
-    torch.manual_seed(seed)
-    return {name: value.detach().clone() for name, value in build().state_dict().items()}
-
-
-def sgd_reference(model, steps: list, lr: float) -> dict:
-    """{name: parameter} after one SGD(lr) step on mse_loss per (inputs, targets) of `steps`: one process."""
-    import torch
-
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    for inputs, targets in steps:
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(inputs), targets).backward()
-        optimizer.step()
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
 def shard_rows(rows: int, world_size: int, rank: int) -> tuple[int, int]:
