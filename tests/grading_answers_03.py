@@ -84,25 +84,38 @@ class CounterJoinHook(JoinHook):
         self.counter = counter
 
     def main_hook(self) -> None:
-        zeros = torch.zeros(1, device=self.counter.join_device)
-        dist.all_reduce(zeros, group=self.counter.join_process_group)
-        self.counter.count += zeros
+        """On a joined rank, once per iteration of the ranks still running."""
+        group = self.counter.join_process_group
+        sums = torch.zeros(2)  # no call, no value: leaves the sums alone
+        peak = torch.tensor([float("-inf")])  # never wins a maximum (0 would, against negative values)
+        dist.all_reduce(sums, group=group)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        self.counter.count += sums[0].item()  # what the others found, so this rank stays up to date
+        self.counter.total += sums[1].item()
+        self.counter.peak = max(self.counter.peak, peak.item())
 
     def post_hook(self, is_last_joiner: bool) -> None:
+        """On every rank, once all have joined."""
         self.counter.is_last_joiner = is_last_joiner
 
 
 class Counter(Joinable):
     def __init__(self):
         super().__init__()
-        self.count = torch.zeros(1)
+        self.count, self.total, self.peak = 0.0, 0.0, float("-inf")
         self.is_last_joiner = None
 
-    def __call__(self) -> None:
-        Join.notify_join_context(self)
-        ones = torch.ones(1, device=self.join_device)
-        dist.all_reduce(ones, group=self.join_process_group)
-        self.count += ones
+    def __call__(self, value: float) -> None:
+        """One iteration, with this rank's value."""
+        Join.notify_join_context(self)  # before this iteration's collectives: "I have not joined"
+        group = self.join_process_group
+        sums = torch.tensor([1.0, value])  # one call, its value
+        peak = torch.tensor([value])
+        dist.all_reduce(sums, group=group)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        self.count += sums[0].item()
+        self.total += sums[1].item()
+        self.peak = max(self.peak, peak.item())
 
     def join_hook(self, **kwargs) -> JoinHook:
         return CounterJoinHook(self)
@@ -117,17 +130,21 @@ class Counter(Joinable):
 '''
 
 # Never tells Join that this rank is still iterating: Join's all-reduces meet the counter's.
-COUNTER_NO_NOTIFY = COUNTER_SOLUTION.replace("        Join.notify_join_context(self)\n", "")
+COUNTER_NO_NOTIFY = COUNTER_SOLUTION.replace(
+    "        Join.notify_join_context(self)  # before this iteration's collectives: \"I have not joined\"\n", "")
 
-# A joined rank all-reduces ones: it counts as taking part in every iteration.
+# A joined rank stands in with one call: it counts as taking part in every iteration.
 COUNTER_SHADOWS_WITH_ONES = COUNTER_SOLUTION.replace(
-    "zeros = torch.zeros(1, device=self.counter.join_device)", "zeros = torch.ones(1, device=self.counter.join_device)")
+    "sums = torch.zeros(2)  # no call, no value: leaves the sums alone", "sums = torch.tensor([1.0, 0.0])")
 
-# main_hook makes no collective: the other ranks' all-reduces are matched by Join's own.
-COUNTER_SILENT_MAIN_HOOK = COUNTER_SOLUTION.replace(
-    "        zeros = torch.zeros(1, device=self.counter.join_device)\n"
-    "        dist.all_reduce(zeros, group=self.counter.join_process_group)\n"
-    "        self.counter.count += zeros\n", "        pass\n")
+# A joined rank stands in with zeros for the maximum too: 0 wins against negative values.
+COUNTER_PEAK_SHADOWED_WITH_ZERO = COUNTER_SOLUTION.replace(
+    "peak = torch.tensor([float(\"-inf\")])  # never wins a maximum (0 would, against negative values)",
+    "peak = torch.zeros(1)")
+
+# main_hook makes no collective: the others' all-reduces meet Join's own (zeros), the joined rank stops counting.
+COUNTER_SILENT_MAIN_HOOK = COUNTER_SOLUTION[:COUNTER_SOLUTION.index("        group = self.counter.join_process_group")] + \
+    "        pass\n\n" + COUNTER_SOLUTION[COUNTER_SOLUTION.index("    def post_hook"):]
 
 # post_hook does not record is_last_joiner.
 COUNTER_POST_HOOK_FORGETS = COUNTER_SOLUTION.replace(

@@ -78,8 +78,9 @@ def _case_phrases(exercise_id: str, case: dict) -> list[str]:
                 f"Batches have {case[0][1][0][0].shape[0]} rows", f"`stop_at_first={case[0][3]}`"
                 if n == 3 else "once with `stop_at_first=False` and once with `True`"]
     if exercise_id == COUNTER:
-        calls = [case[r][0] for r in range(n)]
-        return [f"{_and(calls)} calls", f"count of {sum(calls)}"]
+        values = [case[r][0] for r in range(n)]
+        listed = "; ".join(f"rank {r}: " + ", ".join(f"{v:g}" for v in vs) for r, vs in enumerate(values))
+        return [f"{_and([len(vs) for vs in values])} calls (", listed]
     steps, rows = len(case[0][1]), case[0][1][0][0].shape[0]
     if exercise_id == ZERO1:
         name, defaults = case[0][2], case[0][3]
@@ -175,9 +176,9 @@ SHADOW_2, STOP_2, FIRST_2, SHADOW_3, STOP_3, FIRST_3 = (
     "4, 2 and 2 batches)",
     "every rank returns the rank that ran out first, a tie included (3 ranks)")
 COUNT_2, LAST_2, COUNT_3, LAST_3 = (
-    "every rank counts 5 calls (2 ranks: 2 and 3 calls)",
+    "every rank: count 5, total -8, peak -0.5 (2 ranks: 2 and 3 calls)",
     "post_hook: is_last_joiner True on the rank with the most calls only (2 ranks)",
-    "every rank counts all calls (3 ranks: 1, 3, 2 and 3, 1, 3 calls)",
+    "every rank: the count, total and peak of all values (3 ranks: 1, 3, 2 and 3, 1, 3 calls)",
     "post_hook: is_last_joiner True on the ranks with the most calls, a tie included (3 ranks)")
 LOADS_2, STATE_2, RESUMED_2, STATE_3, RESUMED_3 = (
     "rank 0's file loads into a plain torch.optim.Adam (2 ranks)",
@@ -223,23 +224,20 @@ WRONG = [
                  "rank 2: 2): returned 2, expected 1: ranks 1, 2 ran out together; return the lowest",
     }, id="join-highest-on-a-tie"),
     pytest.param(COUNTER, answers.COUNTER_SHADOWS_WITH_ONES, {
-        COUNT_2: "rank 0, case 1 of 1 (calls per rank: rank 0: 2, rank 1: 3): count is 6, expected 5 (the ranks "
-                 "taking part in each iteration, summed): that is 2 ranks times 3 iterations, every rank counted "
-                 "in every iteration; a joined rank takes no part: its main_hook all-reduces zeros, not ones",
+        COUNT_2: "rank 0, case 1 of 1 (calls per rank: rank 0: 2, rank 1: 3): count is 6, expected 5 (over every "
+                 "rank's values): that is 2 ranks times 3 iterations, every rank counted in every iteration; a rank "
+                 "that has joined takes no part in the others' iterations",
         COUNT_3: "count is 9, expected 6",
     }, id="counter-shadows-with-ones"),
-    # No collective in main_hook does not hang here: Join's own all-reduce of zeros on the joined rank
-    # meets the others' all-reduce of ones, so they count right and only the joined rank misses them.
-    pytest.param(COUNTER, answers.COUNTER_SILENT_MAIN_HOOK, {
-        COUNT_2: "rank 0, case 1 of 1 (calls per rank: rank 0: 2, rank 1: 3): count is 4, expected 5 (the ranks "
-                 "taking part in each iteration, summed): that counts only the 2 iterations this rank took part "
-                 "in; a joined rank's main_hook must all-reduce zeros",
-        COUNT_3: "rank 0, case 1 of 2 (calls per rank: rank 0: 1, rank 1: 3, rank 2: 2): count is 3, expected 6 "
-                 "(the ranks taking part in each iteration, summed): that counts only the 1 iteration this rank",
-    }, id="counter-main-hook-without-collective"),
+    pytest.param(COUNTER, answers.COUNTER_PEAK_SHADOWED_WITH_ZERO, {
+        COUNT_2: "rank 0, case 1 of 1 (calls per rank: rank 0: 2, rank 1: 3): peak is 0, expected -0.5 (over every "
+                 "rank's values): every value is negative, so 0 came from a rank that had joined; what a joined "
+                 "rank contributes must change no result: 0 leaves a sum alone, not a maximum",
+        COUNT_3: "peak is 0, expected -0.5",
+    }, id="counter-peak-shadowed-with-zero"),
     pytest.param(COUNTER, answers.COUNTER_POST_HOOK_FORGETS, {
         LAST_2: "rank 0, case 1 of 1 (calls per rank: rank 0: 2, rank 1: 3): counter.is_last_joiner is None "
-                "afterwards; post_hook(is_last_joiner) must store it on the counter",
+                "afterwards; what post_hook is told must be stored on the counter",
         LAST_3: "counter.is_last_joiner is None afterwards",
     }, id="counter-post-hook-forgets"),
     pytest.param(ZERO, answers.ZERO_NO_CONSOLIDATE, {
@@ -322,11 +320,10 @@ HANGS = [
     pytest.param(JOIN, answers.JOIN_MISSING, [
         "rank 0 is still in your function: it is waiting in all_reduce #3 (176 B, world group)",
         "rank 1 finished your function"], id="join-missing"),
-    # Without the notice, rank 1's last all-reduce of ones meets Join's count of the ranks left on rank 0;
-    # rank 1 then leaves, and rank 0's Join waits for a rank that is gone.
+    # Without the notice, the pairs shift: rank 0's Join counts the ranks left (4 B) while rank 1 sums (8 B).
     pytest.param(COUNTER, answers.COUNTER_NO_NOTIFY, [
         "rank 0 is still in your function: it is waiting in all_reduce #5 (4 B, world group)",
-        "rank 1 finished your function and waits in the checker's barrier (world group)"], id="counter-no-notify"),
+        "rank 1 is still in your function: it is waiting in all_reduce #5 (8 B, world group)"], id="counter-no-notify"),
     # consolidate_state_dict is a collective: rank 0 waits for rank 1's shard, which never comes.
     pytest.param(ZERO, answers.ZERO_CONSOLIDATE_ON_RANK_0, [
         "rank 0 is still in your function: it is waiting in broadcast #1 (8 B, world group)",

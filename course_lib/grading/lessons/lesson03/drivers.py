@@ -92,10 +92,19 @@ def ddp_join_training(fn: Callable, weights: list, batches: list, lr: float, sto
     return {"params": _copies(dict(model.named_parameters())), "returned": _as_rank(returned)}
 
 
-def counting_joinable(fn: Callable, iterations: int) -> dict:
+def _as_number(value):
+    """A counter's attribute as a float (a number or a one-element tensor), else in words."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.item())
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return describe(value)
+
+
+def counting_joinable(fn: Callable, values: list) -> dict:
     """`fn` is the learner's Joinable class: counter = fn(); with Join([counter]) (torch's, imported
-    here), call counter() `iterations` times (the number differs per rank). Send back counter.count
-    and counter.is_last_joiner afterwards. The whole block counts as the learner's code for a deadline."""
+    here), call counter(v) for each v of `values` (their number differs per rank). Send back count,
+    total, peak and is_last_joiner afterwards. The whole block counts as the learner's code for a deadline."""
     from torch.distributed.algorithms.join import Join, Joinable
 
     cls = inspect.unwrap(fn)
@@ -104,15 +113,10 @@ def counting_joinable(fn: Callable, iterations: int) -> dict:
         if not isinstance(counter, Joinable):
             return {"not_joinable": describe(counter)}
         with Join([counter]):
-            for _ in range(iterations):
-                counter()
-    count = getattr(counter, "count", None)
-    if isinstance(count, torch.Tensor) and count.numel() == 1:
-        count = float(count.item())
-    elif not isinstance(count, (int, float)) or isinstance(count, bool):
-        count = describe(count)
+            for value in values:
+                counter(float(value))
     last = getattr(counter, "is_last_joiner", None)
-    return {"count": float(count) if isinstance(count, int) else count,
+    return {**{key: _as_number(getattr(counter, key, None)) for key in ("count", "total", "peak")},
             "is_last_joiner": last if isinstance(last, bool) or last is None else describe(last)}
 
 
