@@ -65,10 +65,9 @@ def whole_batches(outcome: RunOutcome, case: int) -> list[tuple]:
 
 
 def optimizer_reference(weights: list, batches: list, name: str = "Adam", defaults: dict | None = None,
-                        scale: float = 1.0, model=None, optimizer=None):
+                        model=None, optimizer=None):
     """(model, optimizer): torch.optim.<name>(**defaults) after one step per (inputs, targets) of `batches`,
-    one process; the gradients times `scale` (a sum over N ranks is N times the average). Pass `model`
-    and `optimizer` to go on from them."""
+    one process. Pass `model` and `optimizer` to go on from them."""
     import torch
 
     model = _model(weights) if model is None else model
@@ -77,9 +76,6 @@ def optimizer_reference(weights: list, batches: list, name: str = "Adam", defaul
     for inputs, targets in batches:
         optimizer.zero_grad()
         torch.nn.functional.mse_loss(model(inputs), targets).backward()
-        if scale != 1.0:
-            for p in model.parameters():
-                p.grad.mul_(scale)
         optimizer.step()
     return model, optimizer
 
