@@ -3,16 +3,25 @@ plausible wrong answers, each of which must lose exactly the points its mistake 
 
 JOIN_SOLUTION = '''%%exercise 03.join_uneven_training
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.algorithms.join import Join
 
 
-def train(ddp_model, optimizer, batches) -> None:
-    with Join([ddp_model]):
-        for inputs, targets in batches:
-            optimizer.zero_grad()
-            F.mse_loss(ddp_model(inputs), targets).backward()
-            optimizer.step()
+def train(ddp_model, optimizer, batches, stop_at_first) -> int:
+    try:
+        with Join([ddp_model], throw_on_early_termination=stop_at_first):
+            for inputs, targets in batches:
+                optimizer.zero_grad()
+                F.mse_loss(ddp_model(inputs), targets).backward()
+                optimizer.step()
+    except RuntimeError:
+        if not stop_at_first:
+            raise
+    world = dist.get_world_size()
+    key = torch.tensor([len(batches) * world + dist.get_rank()])
+    dist.all_reduce(key, op=dist.ReduceOp.MIN)
+    return int(key.item()) % world
 '''
 
 # The plain loop: the rank with fewer batches leaves while the others wait in DDP's all-reduce.
@@ -20,19 +29,49 @@ JOIN_MISSING = '''%%exercise 03.join_uneven_training
 import torch.nn.functional as F
 
 
-def train(ddp_model, optimizer, batches) -> None:
+def train(ddp_model, optimizer, batches, stop_at_first) -> int:
     for inputs, targets in batches:
         optimizer.zero_grad()
         F.mse_loss(ddp_model(inputs), targets).backward()
         optimizer.step()
+    return 0
 '''
 
 # Divides each step's sum by the ranks still training: another training than DDP's default.
-JOIN_DIVIDES_BY_ACTIVE = JOIN_SOLUTION.replace("Join([ddp_model])",
-                                               "Join([ddp_model], divide_by_initial_world_size=False)")
+JOIN_DIVIDES_BY_ACTIVE = JOIN_SOLUTION.replace("Join([ddp_model], throw_on_early_termination=stop_at_first)",
+                                               "Join([ddp_model], throw_on_early_termination=stop_at_first, "
+                                               "divide_by_initial_world_size=False)")
 
-# Join switched off: the plain loop again.
-JOIN_DISABLED = JOIN_SOLUTION.replace("Join([ddp_model])", "Join([ddp_model], enable=False)")
+# Never stops early: the ranks that ran out shadow the others to the end.
+JOIN_NEVER_STOPS = JOIN_SOLUTION.replace("throw_on_early_termination=stop_at_first",
+                                         "throw_on_early_termination=False")
+
+# Only a rank that ran out knows it (from its exception); the others return None.
+JOIN_ONLY_THE_RANK_OUT_KNOWS = '''%%exercise 03.join_uneven_training
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms.join import Join
+
+
+def train(ddp_model, optimizer, batches, stop_at_first) -> int:
+    first = None
+    try:
+        with Join([ddp_model], throw_on_early_termination=stop_at_first):
+            for inputs, targets in batches:
+                optimizer.zero_grad()
+                F.mse_loss(ddp_model(inputs), targets).backward()
+                optimizer.step()
+    except RuntimeError as error:
+        if "exhausted all inputs" in str(error) and str(error).startswith("Rank"):
+            first = dist.get_rank()
+    return first
+'''
+
+# Reports with MAX: on a tie, the highest of the ranks that ran out together.
+JOIN_HIGHEST_ON_TIE = JOIN_SOLUTION.replace(
+    "    key = torch.tensor([len(batches) * world + dist.get_rank()])\n",
+    "    key = torch.tensor([len(batches) * world + world - 1 - dist.get_rank()])\n").replace(
+    "    return int(key.item()) % world\n", "    return world - 1 - int(key.item()) % world\n")
 
 COUNTER_SOLUTION = '''%%exercise 03.counting_joinable
 import torch
@@ -45,25 +84,38 @@ class CounterJoinHook(JoinHook):
         self.counter = counter
 
     def main_hook(self) -> None:
-        zeros = torch.zeros(1, device=self.counter.join_device)
-        dist.all_reduce(zeros, group=self.counter.join_process_group)
-        self.counter.count += zeros
+        """On a joined rank, once per iteration of the ranks still running."""
+        group = self.counter.join_process_group
+        sums = torch.zeros(2)  # no call, no value: leaves the sums alone
+        peak = torch.tensor([float("-inf")])  # never wins a maximum (0 would, against negative values)
+        dist.all_reduce(sums, group=group)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        self.counter.count += sums[0].item()  # what the others found, so this rank stays up to date
+        self.counter.total += sums[1].item()
+        self.counter.peak = max(self.counter.peak, peak.item())
 
     def post_hook(self, is_last_joiner: bool) -> None:
+        """On every rank, once all have joined."""
         self.counter.is_last_joiner = is_last_joiner
 
 
 class Counter(Joinable):
     def __init__(self):
         super().__init__()
-        self.count = torch.zeros(1)
+        self.count, self.total, self.peak = 0.0, 0.0, float("-inf")
         self.is_last_joiner = None
 
-    def __call__(self) -> None:
-        Join.notify_join_context(self)
-        ones = torch.ones(1, device=self.join_device)
-        dist.all_reduce(ones, group=self.join_process_group)
-        self.count += ones
+    def __call__(self, value: float) -> None:
+        """One iteration, with this rank's value."""
+        Join.notify_join_context(self)  # before this iteration's collectives: "I have not joined"
+        group = self.join_process_group
+        sums = torch.tensor([1.0, value])  # one call, its value
+        peak = torch.tensor([value])
+        dist.all_reduce(sums, group=group)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        self.count += sums[0].item()
+        self.total += sums[1].item()
+        self.peak = max(self.peak, peak.item())
 
     def join_hook(self, **kwargs) -> JoinHook:
         return CounterJoinHook(self)
@@ -78,17 +130,21 @@ class Counter(Joinable):
 '''
 
 # Never tells Join that this rank is still iterating: Join's all-reduces meet the counter's.
-COUNTER_NO_NOTIFY = COUNTER_SOLUTION.replace("        Join.notify_join_context(self)\n", "")
+COUNTER_NO_NOTIFY = COUNTER_SOLUTION.replace(
+    "        Join.notify_join_context(self)  # before this iteration's collectives: \"I have not joined\"\n", "")
 
-# A joined rank all-reduces ones: it counts as taking part in every iteration.
+# A joined rank stands in with one call: it counts as taking part in every iteration.
 COUNTER_SHADOWS_WITH_ONES = COUNTER_SOLUTION.replace(
-    "zeros = torch.zeros(1, device=self.counter.join_device)", "zeros = torch.ones(1, device=self.counter.join_device)")
+    "sums = torch.zeros(2)  # no call, no value: leaves the sums alone", "sums = torch.tensor([1.0, 0.0])")
 
-# main_hook makes no collective: the other ranks' all-reduces are matched by Join's own.
-COUNTER_SILENT_MAIN_HOOK = COUNTER_SOLUTION.replace(
-    "        zeros = torch.zeros(1, device=self.counter.join_device)\n"
-    "        dist.all_reduce(zeros, group=self.counter.join_process_group)\n"
-    "        self.counter.count += zeros\n", "        pass\n")
+# A joined rank stands in with zeros for the maximum too: 0 wins against negative values.
+COUNTER_PEAK_SHADOWED_WITH_ZERO = COUNTER_SOLUTION.replace(
+    "peak = torch.tensor([float(\"-inf\")])  # never wins a maximum (0 would, against negative values)",
+    "peak = torch.zeros(1)")
+
+# main_hook makes no collective: the others' all-reduces meet Join's own (zeros), the joined rank stops counting.
+COUNTER_SILENT_MAIN_HOOK = COUNTER_SOLUTION[:COUNTER_SOLUTION.index("        group = self.counter.join_process_group")] + \
+    "        pass\n\n" + COUNTER_SOLUTION[COUNTER_SOLUTION.index("    def post_hook"):]
 
 # post_hook does not record is_last_joiner.
 COUNTER_POST_HOOK_FORGETS = COUNTER_SOLUTION.replace(
@@ -103,6 +159,16 @@ def save_optimizer(optimizer, path: str) -> None:
     optimizer.consolidate_state_dict(to=0)
     if dist.get_rank() == 0:
         torch.save(optimizer.state_dict(), path)
+
+
+def load_optimizer(optimizer, path: str) -> None:
+    optimizer.load_state_dict(torch.load(path))
+'''
+
+LOAD = '''
+
+def load_optimizer(optimizer, path: str) -> None:
+    optimizer.load_state_dict(torch.load(path))
 '''
 
 # Saves without consolidating: state_dict() raises on rank 0.
@@ -118,14 +184,14 @@ def save_optimizer(optimizer, path: str) -> None:
     if dist.get_rank() == 0:
         optimizer.consolidate_state_dict(to=0)
         torch.save(optimizer.state_dict(), path)
-'''
+''' + LOAD
 
 # Saves on every rank: only rank 0 holds the consolidated state, the others' state_dict() raises.
 ZERO_SAVES_ON_EVERY_RANK = ZERO_SOLUTION.replace(
     "    if dist.get_rank() == 0:\n        torch.save(optimizer.state_dict(), path)\n",
     "    torch.save(optimizer.state_dict(), path)\n")
 
-# Saves the local optimizer's state: rank 0's shard only.
+# Saves the local optimizer's state: rank 0's shard only (and loads it into the local optimizer too).
 ZERO_SAVES_LOCAL_SHARD = '''%%exercise 03.zero_consolidate_save
 import torch
 import torch.distributed as dist
@@ -134,4 +200,71 @@ import torch.distributed as dist
 def save_optimizer(optimizer, path: str) -> None:
     if dist.get_rank() == 0:
         torch.save(optimizer.optim.state_dict(), path)
+
+
+def load_optimizer(optimizer, path: str) -> None:
+    optimizer.load_state_dict(torch.load(path))
 '''
+
+# Loads on rank 0 only, as it saved: the other ranks resume their share of the state from zero.
+ZERO_LOADS_ON_RANK_0 = ZERO_SOLUTION.replace(
+    "    optimizer.load_state_dict(torch.load(path))\n",
+    "    if dist.get_rank() == 0:\n        optimizer.load_state_dict(torch.load(path))\n")
+
+# Loads into the inner optimizer: it holds this rank's parameters only, the file all of them.
+ZERO_LOADS_INTO_INNER = ZERO_SOLUTION.replace("    optimizer.load_state_dict(torch.load(path))\n",
+                                              "    optimizer.optim.load_state_dict(torch.load(path))\n")
+
+ZERO1_SOLUTION = '''%%exercise 03.zero1_by_hand
+import torch
+import torch.distributed as dist
+
+
+class ShardedOptimizer:
+    def __init__(self, params, optimizer_class, **defaults):
+        self.params = list(params)
+        world, rank = dist.get_world_size(), dist.get_rank()
+        sizes = [0] * world
+        self.owner = {}
+        for p in sorted(self.params, key=lambda t: t.numel(), reverse=True):
+            least = sizes.index(min(sizes))
+            self.owner[p] = least
+            sizes[least] += p.numel()
+        self.optim = optimizer_class([p for p in self.params if self.owner[p] == rank], **defaults)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        world = dist.get_world_size()
+        for p in self.params:
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
+        self.optim.step()
+        for p in self.params:
+            dist.broadcast(p, src=self.owner[p])
+'''
+
+# Every rank builds the inner optimizer over every parameter: right parameters, the state not sharded.
+ZERO1_STEPS_EVERYTHING = ZERO1_SOLUTION.replace(
+    "optimizer_class([p for p in self.params if self.owner[p] == rank], **defaults)",
+    "optimizer_class(self.params, **defaults)")
+
+# No broadcast: each rank's copies of the others' parameters never change.
+ZERO1_NO_BROADCAST = ZERO1_SOLUTION.replace(
+    "        for p in self.params:\n            dist.broadcast(p, src=self.owner[p])\n", "")
+
+# Gradients not averaged: each owner steps with the gradient of its own rows.
+ZERO1_NOT_AVERAGED = ZERO1_SOLUTION.replace(
+    "            dist.all_reduce(p.grad)\n            p.grad.div_(world)\n", "            pass\n")
+
+# Summed, not divided: Adam hardly notices (its step is scale-free), SGD steps N times too far.
+ZERO1_SUMMED = ZERO1_SOLUTION.replace("            p.grad.div_(world)\n", "")
+
+# Round-robin in the parameters' order instead of the greedy split by size.
+ZERO1_ROUND_ROBIN = ZERO1_SOLUTION.replace(
+    "        for p in sorted(self.params, key=lambda t: t.numel(), reverse=True):\n"
+    "            least = sizes.index(min(sizes))\n",
+    "        for index, p in enumerate(self.params):\n            least = index % world\n")

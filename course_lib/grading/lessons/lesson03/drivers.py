@@ -14,7 +14,7 @@ import torch
 from ...drivers import describe
 from ..lesson02.drivers import _copies, mlp_from_weights
 
-__all__ = ['ddp_join_training', 'counting_joinable', 'zero_save']
+__all__ = ['ddp_join_training', 'counting_joinable', 'zero_save', 'zero1_by_hand']
 
 
 class _JoinAwareAveraging:
@@ -49,8 +49,18 @@ def _join_aware_allreduce(state, bucket):  # no annotations: DDP checks them, an
     return future
 
 
-def ddp_join_training(fn: Callable, weights: list, batches: list, lr: float) -> dict:
-    """fn(ddp_model, SGD(lr), batches) trains on this rank's batches (their number differs per rank).
+def _as_rank(value):
+    """What `train` returned, as an int where it is one (1, 1.0, tensor([1])); else None or in words."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return value if value is None or type(value) is int else describe(value)
+
+
+def ddp_join_training(fn: Callable, weights: list, batches: list, lr: float, stop_at_first: bool) -> dict:
+    """fn(ddp_model, SGD(lr), batches, stop_at_first) trains on this rank's batches (their number differs per
+    rank) and returns the rank that ran out first.
 
     DDP averages through `_join_aware_allreduce`; while fn runs, DDP's module sees a Join whose join
     notice also tells that hook how many ranks still train. Send back the parameters afterwards.
@@ -76,16 +86,25 @@ def ddp_join_training(fn: Callable, weights: list, batches: list, lr: float) -> 
 
     ddp_module.Join = NoticeKeepingJoin
     try:
-        returned = fn(ddp_model, optimizer, [tuple(pair) for pair in batches])
+        returned = fn(ddp_model, optimizer, [tuple(pair) for pair in batches], bool(stop_at_first))
     finally:
         ddp_module.Join = join
-    return {"params": _copies(dict(model.named_parameters())), "returned": describe(returned)}
+    return {"params": _copies(dict(model.named_parameters())), "returned": _as_rank(returned)}
 
 
-def counting_joinable(fn: Callable, iterations: int) -> dict:
+def _as_number(value):
+    """A counter's attribute as a float (a number or a one-element tensor), else in words."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.item())
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return describe(value)
+
+
+def counting_joinable(fn: Callable, values: list) -> dict:
     """`fn` is the learner's Joinable class: counter = fn(); with Join([counter]) (torch's, imported
-    here), call counter() `iterations` times (the number differs per rank). Send back counter.count
-    and counter.is_last_joiner afterwards. The whole block counts as the learner's code for a deadline."""
+    here), call counter(v) for each v of `values` (their number differs per rank). Send back count,
+    total, peak and is_last_joiner afterwards. The whole block counts as the learner's code for a deadline."""
     from torch.distributed.algorithms.join import Join, Joinable
 
     cls = inspect.unwrap(fn)
@@ -94,22 +113,20 @@ def counting_joinable(fn: Callable, iterations: int) -> dict:
         if not isinstance(counter, Joinable):
             return {"not_joinable": describe(counter)}
         with Join([counter]):
-            for _ in range(iterations):
-                counter()
-    count = getattr(counter, "count", None)
-    if isinstance(count, torch.Tensor) and count.numel() == 1:
-        count = float(count.item())
-    elif not isinstance(count, (int, float)) or isinstance(count, bool):
-        count = describe(count)
+            for value in values:
+                counter(float(value))
     last = getattr(counter, "is_last_joiner", None)
-    return {"count": float(count) if isinstance(count, int) else count,
+    return {**{key: _as_number(getattr(counter, key, None)) for key in ("count", "total", "peak")},
             "is_last_joiner": last if isinstance(last, bool) or last is None else describe(last)}
 
 
-def zero_save(fn: Callable, weights: list, steps: list, lr: float, file_name: str) -> dict:
-    """DDP and ZeroRedundancyOptimizer(Adam, lr) take one step per (inputs, targets) of `steps` (this
-    rank's shard), then fn(optimizer, path) saves; `path` is `file_name` in the run's working folder,
-    the same on every rank. Send back the bytes rank 0 finds at `path` right after fn returns."""
+def zero_save(fn: Callable, weights: list, steps: list, saved_after: int, lr: float, file_name: str) -> dict:
+    """DDP and ZeroRedundancyOptimizer(Adam, lr) take one step per (inputs, targets) of steps[:saved_after]
+    (this rank's rows), then fn(optimizer, path) saves (`path`: `file_name` in the run's working folder,
+    the same on every rank). The checker waits for every rank (an all-reduce of one value), builds a new
+    ZeroRedundancyOptimizer over the same parameters, calls the cell's load_optimizer(new, path) on every
+    rank and takes the remaining steps. Send back the bytes rank 0 found at `path` right after fn
+    returned, the parameters at the end, and load_optimizer's error, if it raised one."""
     import os
 
     import torch.distributed as dist
@@ -120,11 +137,15 @@ def zero_save(fn: Callable, weights: list, steps: list, lr: float, file_name: st
     model = mlp_from_weights(weights)
     ddp_model = DistributedDataParallel(model)
     ddp_model.register_comm_hook(dist.group.WORLD, allreduce_hook)  # the ledger records the all-reduces
+
+    def train(optimizer, pairs):
+        for inputs, targets in pairs:
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(ddp_model(inputs), targets).backward()
+            optimizer.step()
+
     optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=lr)
-    for inputs, targets in steps:
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(ddp_model(inputs), targets).backward()
-        optimizer.step()
+    train(optimizer, steps[:saved_after])
     path = os.path.join(os.getcwd(), file_name)
     returned = fn(optimizer, path)
     saved = None
@@ -132,4 +153,45 @@ def zero_save(fn: Callable, weights: list, steps: list, lr: float, file_name: st
         with open(path, "rb") as handle:
             data = handle.read()
         saved = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
-    return {"saved": saved, "returned": describe(returned)}
+    dist.all_reduce(torch.zeros(1))  # the checker's barrier: rank 0's file is written before any rank loads
+    load = inspect.unwrap(fn).__globals__.get("load_optimizer")
+    if not callable(load):
+        return {"saved": saved, "returned": describe(returned), "params": _copies(dict(model.named_parameters())),
+                "load_error": "nothing: the cell defines no function load_optimizer(optimizer, path)"}
+    resumed = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=lr)
+    load_error = ""
+    with fn.learner_code():
+        try:
+            load(resumed, path)
+        except Exception as exc:  # noqa: BLE001 - reported by the judge of resuming; saving is judged apart
+            load_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    if not load_error:
+        train(resumed, steps[saved_after:])
+    return {"saved": saved, "returned": describe(returned), "params": _copies(dict(model.named_parameters())),
+            "load_error": load_error}
+
+
+def zero1_by_hand(fn: Callable, weights: list, steps: list, optimizer_name: str, defaults: dict) -> dict:
+    """`fn` is the learner's ShardedOptimizer class: optimizer = fn(model.parameters(), torch.optim.<name>,
+    **defaults) over a plain model; one step per (inputs, targets) of `steps` (this rank's rows), each
+    zero_grad(), backward of mse_loss, step(). Send back the parameters, the bytes of the tensors in
+    optimizer.optim.state, and which parameters (by index) optimizer.optim holds."""
+    model = mlp_from_weights(weights)
+    cls = inspect.unwrap(fn)
+    with fn.learner_code():
+        optimizer = cls(model.parameters(), getattr(torch.optim, optimizer_name), **defaults)
+        for inputs, targets in steps:
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(inputs.clone()), targets.clone()).backward()
+            optimizer.step()
+    result = {"params": _copies(dict(model.named_parameters())), "state_bytes": None, "owned": None, "problem": ""}
+    inner = getattr(optimizer, "optim", None)
+    if not isinstance(inner, torch.optim.Optimizer):
+        result["problem"] = (f"optimizer.optim is a {describe(inner)}, expected the inner torch.optim optimizer "
+                             "(over this rank's own parameters)")
+        return result
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    result["owned"] = sorted(index[id(p)] for group in inner.param_groups for p in group["params"] if id(p) in index)
+    result["state_bytes"] = int(sum(t.numel() * t.element_size() for state in inner.state.values()
+                                    for t in state.values() if isinstance(t, torch.Tensor)))
+    return result
