@@ -320,9 +320,9 @@ DDP_FROM_SCRATCH = Exercise(
                  Item("the constructor gives every rank rank 0's parameters (3 ranks)", 1, _rank0_parameters))),
     ),
     hints=(
-        "Reread lesson 02, section 2 (what DDP's constructor does) and section 4 'Buckets: what backward sends, "
-        "and when', with its two last cells: a hook that runs when a gradient is ready, and an all-reduce that "
-        "returns before it has finished.",
+        "Reread lesson 02, section 2 (what DDP's constructor does) and, in section 4, 'The two pieces of the "
+        "overlap': a hook that runs when a gradient is ready, and an all-reduce that returns before it has "
+        "finished.",
         "torch.Tensor.register_post_accumulate_grad_hook; dist.all_reduce(..., async_op=True) and the handle's "
         "wait(); dist.broadcast(..., src=0); contextlib.contextmanager.",
         "Copy rank 0's parameters to every rank once, in the constructor. Give each parameter a hook that, unless "

@@ -101,8 +101,8 @@ FP16_HOOK = Exercise(
                       _own_hook(_float16_on_the_wire)))),
     ),
     hints=(
-        "Reread lesson 02, section 7 'Communication hooks: compress what goes on the wire', and section 4's cell "
-        "with an all-reduce that returns before it has finished.",
+        "Reread lesson 02, section 7 'Communication hooks: compress what goes on the wire', and in section 4 "
+        "'The two pieces of the overlap': an all-reduce that returns before it has finished, and its future.",
         "GradBucket.buffer(); torch.Tensor.to(torch.float16); dist.all_reduce(..., async_op=True) and the "
         "handle's get_future(); torch.futures.Future.then.",
         "Take the bucket's flat float32 gradients, make a float16 copy divided by the group's size (so that the "
