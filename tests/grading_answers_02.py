@@ -1,41 +1,6 @@
 """Answer cells for lesson 02's grader tests: the solutions (as in solutions/02_ddp.ipynb) and
 plausible wrong answers, each of which must lose exactly the points its mistake deserves."""
 
-AVERAGE_SOLUTION = '''%%exercise 02.average_gradients
-import torch
-import torch.distributed as dist
-
-
-def average_gradients(model: torch.nn.Module) -> None:
-    world = dist.get_world_size()
-    for p in model.parameters():
-        if p.grad is None:  # frozen (requires_grad=False), or not used in this forward
-            continue
-        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-        p.grad /= world
-'''
-
-# ReduceOp.AVG averages in one call (gloo supports it): right.
-AVERAGE_REDUCE_OP_AVG = AVERAGE_SOLUTION.replace("dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)\n        p.grad /= world",
-                                                 "dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)")
-
-# Sums and forgets to divide: every gradient N times the average.
-AVERAGE_SUMS = AVERAGE_SOLUTION.replace("        p.grad /= world\n", "")
-
-# Divides by 2, the world size the learner tried: right on 2 ranks only.
-AVERAGE_DIVIDES_BY_2 = AVERAGE_SOLUTION.replace("p.grad /= world", "p.grad /= 2")
-
-# Averages the weights only (p.dim() > 1): the biases keep this rank's own gradient.
-AVERAGE_SKIPS_BIASES = AVERAGE_SOLUTION.replace("if p.grad is None:", "if p.grad is None or p.dim() < 2:")
-
-# Averages the parameters instead of their gradients: every .grad stays this rank's own.
-AVERAGE_PARAMS = AVERAGE_SOLUTION.replace("dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)\n        p.grad /= world",
-                                          "dist.all_reduce(p.data, op=dist.ReduceOp.SUM)\n        p.data /= world")
-
-# Does not skip a parameter without a gradient: all_reduce(None) raises.
-AVERAGE_NO_NONE_CHECK = AVERAGE_SOLUTION.replace(
-    "        if p.grad is None:  # frozen (requires_grad=False), or not used in this forward\n            continue\n", "")
-
 BUCKETED_SOLUTION = '''%%exercise 02.bucketed_allreduce
 import torch
 import torch.distributed as dist
@@ -224,3 +189,136 @@ FP16_NO_CAST_BACK = FP16_SOLUTION.replace('''    def decompress(fut):
         return buffer
 
     return future.then(decompress)''', '''    return future.then(lambda fut: fut.value()[0])''')
+
+
+DDP_SOLUTION = """%%exercise 02.ddp_from_scratch
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+
+class DDPFromScratch(torch.nn.Module):
+    \"\"\"`module` on every rank, trained as one process would train it on the whole batch.\"\"\"
+
+    def __init__(self, module: torch.nn.Module, bucket_cap_bytes: int):
+        super().__init__()
+        self.module = module
+        ### BEGIN SOLUTION
+        with torch.no_grad():
+            for p in module.parameters():
+                dist.broadcast(p, src=0)  # every rank starts from rank 0's parameters
+        self.sync = True  # False inside no_sync()
+        self.pending = []  # (work handle, flat bucket, its parameters) per bucket started
+        self.bucket, self.bucket_bytes, self.ready = [], 0, 0
+        params = [p for p in module.parameters() if p.requires_grad]
+
+        def start_bucket():
+            flat = torch.cat([p.grad.reshape(-1) for p in self.bucket])
+            work = dist.all_reduce(flat, async_op=True)  # returns at once: backward goes on
+            self.pending.append((work, flat, self.bucket))
+            self.bucket, self.bucket_bytes = [], 0
+
+        def on_gradient_ready(p):  # runs inside backward, once p.grad holds this backward's sum
+            if not self.sync:
+                return  # inside no_sync(): the gradient stays in p.grad, added to by the next backward
+            nbytes = p.grad.numel() * p.grad.element_size()
+            if self.bucket and self.bucket_bytes + nbytes > bucket_cap_bytes:
+                start_bucket()  # full: this gradient would pass the cap
+            self.bucket.append(p)
+            self.bucket_bytes += nbytes
+            self.ready += 1
+            if self.ready == len(params):  # the last gradient of this backward
+                start_bucket()
+                self.ready = 0
+
+        for p in params:
+            p.register_post_accumulate_grad_hook(on_gradient_ready)
+        ### END SOLUTION
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_synchronization(self) -> None:
+        \"\"\"After loss.backward(), before optimizer.step(): every .grad then holds the average over the ranks.\"\"\"
+        ### BEGIN SOLUTION
+        world = dist.get_world_size()
+        for work, flat, params in self.pending:
+            work.wait()  # the only wait: backward has returned already
+            flat /= world
+            offset = 0
+            for p in params:  # copy each slice back into its gradient
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
+        self.pending = []
+        ### END SOLUTION
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        \"\"\"Backward passes run inside communicate nothing: gradients add up in .grad.\"\"\"
+        ### BEGIN SOLUTION
+        self.sync = False
+        try:
+            yield
+        finally:
+            self.sync = True
+        ### END SOLUTION
+"""
+
+# Waits for each bucket's all-reduce inside the hook: right values, but backward stalls on every bucket.
+DDP_WAITS_IN_HOOK = DDP_SOLUTION.replace(
+    "            self.pending.append((work, flat, self.bucket))\n",
+    "            work.wait()  # make sure it is done before going on\n"
+    "            self.pending.append((work, flat, self.bucket))\n")
+
+# Never copies rank 0's parameters: ranks that start different stay different.
+DDP_NO_BROADCAST = DDP_SOLUTION.replace(
+    "        with torch.no_grad():\n"
+    "            for p in module.parameters():\n"
+    "                dist.broadcast(p, src=0)  # every rank starts from rank 0's parameters\n", "")
+
+# Divides while copying into the bucket, as DDP does, and again after the all-reduce: 1/N of the average.
+DDP_AVERAGES_TWICE = DDP_SOLUTION.replace(
+    "            flat = torch.cat([p.grad.reshape(-1) for p in self.bucket])\n",
+    "            flat = torch.cat([p.grad.reshape(-1) for p in self.bucket]) / dist.get_world_size()\n")
+
+# Divides while copying into the bucket (DDP's order) and not after: the average all the same. Right.
+DDP_PRE_DIVIDES = DDP_AVERAGES_TWICE.replace("            flat /= world\n", "")
+
+# Leaves the last bucket open in backward and all-reduces it in finish_gradient_synchronization (allowed),
+# but never copies that bucket's result back: its gradients stay this rank's own.
+DDP_LAST_BUCKET_NOT_COPIED_BACK = DDP_SOLUTION.replace(
+    "            if self.ready == len(params):  # the last gradient of this backward\n"
+    "                start_bucket()\n"
+    "                self.ready = 0\n", "").replace(
+    "        world = dist.get_world_size()\n",
+    "        world = dist.get_world_size()\n"
+    "        if self.bucket:  # the last bucket, still open: backward is over, so a blocking call is fine\n"
+    "            last = torch.cat([p.grad.reshape(-1) for p in self.bucket])\n"
+    "            dist.all_reduce(last)\n"
+    "            last /= world\n"
+    "            self.bucket, self.bucket_bytes = [], 0\n")
+
+# Collects the buckets in backward but starts every all-reduce in finish_gradient_synchronization: no overlap.
+DDP_ALL_IN_FINISH = DDP_SOLUTION.replace(
+    "            work = dist.all_reduce(flat, async_op=True)  # returns at once: backward goes on\n"
+    "            self.pending.append((work, flat, self.bucket))\n",
+    "            self.pending.append((None, flat, self.bucket))\n").replace(
+    "        for work, flat, params in self.pending:\n"
+    "            work.wait()  # the only wait: backward has returned already\n",
+    "        works = [dist.all_reduce(flat, async_op=True) for _, flat, _ in self.pending]\n"
+    "        for work, (_, flat, params) in zip(works, self.pending):\n"
+    "            work.wait()\n")
+
+# DDP's own bucket rule: add the gradient, then close the bucket once it reaches the cap (it may pass it).
+DDP_REACHES_THE_CAP = DDP_SOLUTION.replace(
+    "            if self.bucket and self.bucket_bytes + nbytes > bucket_cap_bytes:\n"
+    "                start_bucket()  # full: this gradient would pass the cap\n"
+    "            self.bucket.append(p)\n"
+    "            self.bucket_bytes += nbytes\n"
+    "            self.ready += 1\n",
+    "            self.bucket.append(p)\n"
+    "            self.bucket_bytes += nbytes\n"
+    "            self.ready += 1\n"
+    "            if self.bucket_bytes >= bucket_cap_bytes and self.ready < len(params):\n"
+    "                start_bucket()\n")

@@ -1,6 +1,6 @@
 """Lesson 02's exercises, graded on real gloo ranks: the solution scores full marks, the stub
-zero with its hint (shown once per report), and each plausible wrong answer loses exactly the points
-its mistake deserves, with a message that names what is wrong.
+zero with the exercise's first hint (shown once per report), and each plausible wrong answer loses
+exactly the points its mistake deserves, with a message that names what is wrong.
 
 One set of grading ranks serves the whole module (as the grader gives one to a submission): it is
 started once, forked from a server that has imported torch and torch._dynamo (which DDP's constructor
@@ -16,11 +16,11 @@ import nbformat
 import pytest
 
 import grading_answers_02 as answers
-from exercise_checks import (
-    assert_full_marks, assert_stub_scores_zero_with_its_hint_once, failed_items, solution_hints)
+from exercise_checks import assert_full_marks, assert_stub_scores_zero_with_its_first_hint_once, failed_items
 from exercise_notebooks import exercise_sections, markdown_cells
 from course_lib.grading.cells import EXERCISE_ID, exercise_cells
 from course_lib.grading.checker import check_exercise, preload_for, rank_set_for
+from course_lib.grading.lessons.lesson02.ddp_from_scratch import CAPS, MICRO_ROWS, ROWS, ready_order
 from course_lib.grading.lessons.lesson02.exercises import ATOL, FP16_ATOL, FP16_RTOL, LR, RTOL, greedy_buckets
 from course_lib.grading.registry import exercise, exercises_of_lesson
 from course_lib.grading.report import item_line
@@ -49,8 +49,8 @@ def _sections(notebook: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("notebook", ["solutions", "exercises"])
 def test_the_notebook_lists_exactly_the_exercises_graded(notebook):
-    assert IDS == ["02.average_gradients", "02.bucketed_allreduce", "02.no_sync_accumulation",
-                   "02.fp16_compress_hook"]
+    assert IDS == ["02.bucketed_allreduce", "02.no_sync_accumulation", "02.fp16_compress_hook",
+                   "02.ddp_from_scratch"]
     cells = exercise_cells(nbformat.read(ROOT / notebook / NOTEBOOK, as_version=4))
     assert list(cells) == IDS  # the %%exercise cells, in the registry's order
     markdown = "\n".join(_markdown(notebook))
@@ -63,10 +63,14 @@ def test_the_notebook_lists_exactly_the_exercises_graded(notebook):
 def _case_phrases(exercise_id: str, case: dict) -> list[str]:
     """What the text must say about one case (rank 0's arguments and the world size)."""
     n, args = len(case), case[0]
-    if exercise_id in ("02.average_gradients", "02.fp16_compress_hook"):
+    if exercise_id == "02.fp16_compress_hook":
         rows = args[1].shape[0]
-        frozen = [f"`{name}` frozen" for name in (args[3] if len(args) > 3 else [])]
-        return [f"a batch of {rows * n} rows, {rows} per rank", *frozen]
+        return [f"a batch of {rows * n} rows, {rows} per rank"]
+    if exercise_id == "02.ddp_from_scratch":
+        cap = args[1]
+        buckets = greedy_buckets([nbytes for _, nbytes in ready_order()], cap)
+        return [f"a cap of {binary_bytes(cap)} (buckets of {', '.join(binary_bytes(b) for b in buckets)})",
+                f"{args[2][0][0].shape[0]} rows per rank", f"micro-batches of {args[3][0][0].shape[0]} rows"]
     if exercise_id == "02.bucketed_allreduce":
         tensors, cap = args
         shapes = ", ".join("x".join(map(str, t.shape)) for t in tensors)
@@ -97,7 +101,7 @@ def test_each_exercise_states_its_deadline_cases_and_allowed_calls(exercise_id):
         assert f"atol {_power(FP16_ATOL)} + rtol {_power(FP16_RTOL)}" in text
     else:
         assert f"rtol {_power(RTOL)} and atol {_power(ATOL)}" in text
-    if exercise_id == "02.no_sync_accumulation":
+    if exercise_id in ("02.no_sync_accumulation", "02.ddp_from_scratch"):
         assert f"lr {LR:g}" in text
     assert found.allowed_ops is not None
     for op in sorted(found.allowed_ops):
@@ -108,7 +112,7 @@ def test_each_exercise_states_its_deadline_cases_and_allowed_calls(exercise_id):
 
 def test_the_ddp_exercises_fork_their_ranks_with_torch_dynamo_imported():
     """DDP's constructor imports torch._dynamo (seconds): the ranks' server imports it before forking."""
-    assert preload_for([exercise(i) for i in IDS[:2]]) == ()
+    assert preload_for([exercise("02.bucketed_allreduce"), exercise("02.ddp_from_scratch")]) == ()  # no DDP
     assert preload_for([exercise(i) for i in IDS]) == ("torch._dynamo",)
     found = exercise("02.no_sync_accumulation")
     # The cell itself runs on the ranks before the checker's DDP exists: torch._dynamo is there already.
@@ -125,14 +129,10 @@ def test_solution_scores_full_marks(exercise_id, ranks):
 
 
 @pytest.mark.parametrize("exercise_id", IDS)
-def test_stub_scores_zero_and_says_what_to_write_once(exercise_id, ranks):
-    hint = solution_hints(SOLUTIONS[exercise_id])[0]
-    assert_stub_scores_zero_with_its_hint_once(exercise_id, STUBS[exercise_id], hint, ranks=ranks)
+def test_stub_scores_zero_and_points_to_the_lesson_once(exercise_id, ranks):
+    assert_stub_scores_zero_with_its_first_hint_once(exercise_id, STUBS[exercise_id], ranks=ranks)
 
 
-AVERAGE_2, AVERAGE_3, AVERAGE_FROZEN = (
-    "averages every gradient on 2 ranks", "averages every gradient on 3 ranks",
-    "skips a frozen parameter (requires_grad=False, .grad None)")
 BUCKET_VALUES_2, BUCKET_CALLS_2, BUCKET_VALUES_3, BUCKET_CALLS_3 = (
     "averages every tensor in place on 2 ranks (float32 and float64)",
     "one all_reduce per bucket, of the bucket's bytes, on 2 ranks",
@@ -150,33 +150,18 @@ HOOK_GRADS_2, HOOK_WIRE_2, HOOK_ASYNC, HOOK_GRADS_3, HOOK_WIRE_3 = (
     "gradients equal the full-batch ones within float16 rounding (3 ranks)",
     "all-reduces float16: half the bytes of the float32 gradients (3 ranks)")
 OWN_HOOK = "your hook uses torch's own fp16_compress_hook; write the compression yourself"
+DDP_GRADS, DDP_PARITY_2, DDP_BUCKETS_2, DDP_OVERLAP, DDP_NO_SYNC, DDP_RANK0_2, DDP_PARITY_3, DDP_BUCKETS_3, DDP_RANK0_3 = (
+    "every .grad is the full-batch average after finish_gradient_synchronization() (2 ranks)",
+    "3 SGD steps equal one process, from equal and from different parameters (2 ranks)",
+    f"one all_reduce per bucket of at most {CAPS[2]} B, in the order gradients become ready (2 ranks)",
+    "the all_reduces start asynchronously while backward runs, and nothing waits before it returns (overlap)",
+    "no_sync(): nothing sent inside it; the next synchronised step equals one process",
+    "the constructor gives every rank rank 0's parameters (2 ranks)",
+    "3 SGD steps equal one process, from equal and from different parameters (3 ranks)",
+    f"one all_reduce per bucket of at most {CAPS[3]} B (3 ranks)",
+    "the constructor gives every rank rank 0's parameters (3 ranks)")
 
 WRONG = [
-    pytest.param("02.average_gradients", answers.AVERAGE_SUMS, {
-        AVERAGE_2: "that is 2 times the average, the sum; divide it by the world size",
-        AVERAGE_3: "that is 3 times the average, the sum",
-        AVERAGE_FROZEN: "that is 2 times the average, the sum",
-    }, id="average-sums"),
-    pytest.param("02.average_gradients", answers.AVERAGE_REDUCE_OP_AVG, {}, id="average-reduce-op-avg-passes"),
-    pytest.param("02.average_gradients", answers.AVERAGE_DIVIDES_BY_2, {
-        AVERAGE_3: "that is the sum divided by 2; divide by the world size, 3 here",
-    }, id="average-divides-by-2"),
-    pytest.param("02.average_gradients", answers.AVERAGE_SKIPS_BIASES, {
-        AVERAGE_2: "0.bias.grad element 0 is 0.0150171, expected -0.0325956: that is this rank's own gradient, "
-                   "not averaged (while 0.weight was averaged); average every parameter's .grad, biases too",
-        AVERAGE_3: "0.bias.grad element 0 is -0.154274, expected 0.0036705: that is this rank's own gradient",
-        AVERAGE_FROZEN: "0.bias.grad element 0 is 0.17107, expected 0.149172: that is this rank's own gradient, "
-                        "not averaged (while 2.weight was averaged)",
-    }, id="average-skips-biases"),
-    pytest.param("02.average_gradients", answers.AVERAGE_PARAMS, {
-        name: "every .grad is unchanged: all-reduce each p.grad (not p or p.data)"
-        for name in (AVERAGE_2, AVERAGE_3, AVERAGE_FROZEN)
-    }, id="average-params"),
-    pytest.param("02.average_gradients", answers.AVERAGE_NO_NONE_CHECK, {
-        # A multi-line error message, reported whole.
-        AVERAGE_FROZEN: "rank 0 raised at cell line 9: TypeError: Invalid function argument. Expected parameter "
-                        "`tensor` of type torch.Tensor but got <class 'NoneType'> instead.",
-    }, id="average-no-none-check"),
     pytest.param("02.bucketed_allreduce", answers.BUCKETED_PER_TENSOR, {
         BUCKET_CALLS_2: "5 all_reduce calls of 48 B, 20 B, 16 B, 28 B, 24 B, expected 3, of 48 B, 64 B, 24 B "
                         "(consecutive tensors, in order, in buckets of at most 64 B): one all_reduce per tensor",
@@ -238,6 +223,45 @@ WRONG = [
     }, id="fp16-torch-hook-by-module"),
     # DDP copies the hook's result into each float32 .grad, casting it: not casting back is no mistake.
     pytest.param("02.fp16_compress_hook", answers.FP16_NO_CAST_BACK, {}, id="fp16-no-cast-back-passes"),
+    pytest.param("02.ddp_from_scratch", answers.DDP_WAITS_IN_HOOK, {
+        DDP_OVERLAP: "rank 0, step 1: waited for a collective 4 times while backward ran (inside a hook): backward "
+                     "stalled on each bucket's all-reduce, no overlap",
+    }, id="ddp-waits-in-the-hook"),
+    pytest.param("02.ddp_from_scratch", answers.DDP_ALL_IN_FINISH, {
+        DDP_OVERLAP: "rank 0, step 1: 0 of 4 all_reduce calls started before backward returned, none before the "
+                     "last gradient was ready",
+    }, id="ddp-all-reduces-after-backward"),
+    pytest.param("02.ddp_from_scratch", answers.DDP_NO_BROADCAST, {
+        DDP_PARITY_2: "did not start from rank 0's parameters, so the averaged gradients mix different models",
+        DDP_RANK0_2: "rank 1, the ranks start from different parameters: 0.weight right after the constructor "
+                     "element [0, 0] is 0.302861, expected -0.0422285 (rank 0's): it is this rank's own: the ranks "
+                     "start different and stay different",
+        DDP_PARITY_3: "ranks 1, 2 did not start from rank 0's parameters",
+        DDP_RANK0_3: "it is this rank's own: the ranks start different and stay different",
+    }, id="ddp-no-initial-broadcast"),
+    pytest.param("02.ddp_from_scratch", answers.DDP_AVERAGES_TWICE, {
+        DDP_GRADS: "rank 0, step 1: 0.weight.grad after finish_gradient_synchronization() element [0, 0] is "
+                   "0.00855535, expected 0.0171107: that is the average divided by 2 again: the gradients were "
+                   "averaged twice",
+        DDP_PARITY_2: "the ranks start from the same parameters: 0.weight after step 1",
+        DDP_NO_SYNC: "0.weight's gradient element [0, 0] is -0.00810284, expected -0.0159232",
+        DDP_PARITY_3: "the ranks start from the same parameters: 0.weight after step 1",
+    }, id="ddp-averages-twice"),
+    # DDP's own order: divide while copying into the bucket, not after the all-reduce. Right.
+    pytest.param("02.ddp_from_scratch", answers.DDP_PRE_DIVIDES, {}, id="ddp-divides-before-passes"),
+    pytest.param("02.ddp_from_scratch", answers.DDP_LAST_BUCKET_NOT_COPIED_BACK, {
+        DDP_GRADS: "0.weight.grad after finish_gradient_synchronization() element [0, 0] is 0.0342214, expected "
+                   "0.0171107: that is this rank's own gradient, not averaged (while 0.bias was averaged): a "
+                   "bucket's average never reached its gradients",
+        DDP_PARITY_2: "0.weight after step 1",
+        DDP_NO_SYNC: "0.weight's gradient",
+        DDP_PARITY_3: "0.weight after step 1",
+    }, id="ddp-last-bucket-not-copied-back"),
+    pytest.param("02.ddp_from_scratch", answers.DDP_REACHES_THE_CAP, {
+        DDP_BUCKETS_2: "2 all_reduce calls of 360 B, 160 B, expected 4, of 104 B, 256 B, 32 B, 128 B (buckets of at "
+                       "most 128 B, in the order the gradients become ready): buckets that pass 128 B (DDP's rule",
+        DDP_BUCKETS_3: "expected 3, of 104 B, 288 B, 128 B",
+    }, id="ddp-buckets-reach-the-cap"),
 ]
 
 
@@ -254,3 +278,11 @@ def test_greedy_buckets_fill_up_to_the_cap_and_give_a_large_tensor_its_own():
     assert greedy_buckets([48, 20, 16, 28, 24], 64) == [48, 64, 24]  # 20 + 16 + 28 = 64: the cap, allowed
     assert greedy_buckets([8, 160, 12, 20], 32) == [8, 160, 32]  # 160 > 32: alone
     assert greedy_buckets([], 64) == []
+
+
+def test_gradients_become_ready_last_layer_first_in_the_ddp_exercise():
+    """The order the statement's bucket sizes come from (and lesson 02's hook cell shows on its own model)."""
+    assert [name for name, _ in ready_order()] == ["4.bias", "4.weight", "2.bias", "2.weight", "0.bias", "0.weight"]
+    assert [greedy_buckets([b for _, b in ready_order()], CAPS[n]) for n in (2, 3)] == [[104, 256, 32, 128],
+                                                                                       [104, 288, 128]]
+    assert (ROWS, MICRO_ROWS) == (4, 2)

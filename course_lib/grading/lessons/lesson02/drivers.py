@@ -13,17 +13,21 @@ import torch
 
 from ...drivers import describe
 
-__all__ = ['mlp_from_weights', 'average_gradients', 'in_place_list', 'ddp_accumulation', 'ddp_comm_hook']
+__all__ = ['mlp_from_weights', 'in_place_list', 'ddp_accumulation', 'ddp_comm_hook', 'ddp_from_scratch']
 
 
 def mlp_from_weights(weights: list[torch.Tensor]) -> torch.nn.Sequential:
-    """Linear -> ReLU -> Linear holding copies of `weights` = [0.weight, 0.bias, 2.weight, 2.bias], float32.
+    """Linear -> ReLU -> ... -> Linear holding copies of `weights` = [0.weight, 0.bias, 2.weight, 2.bias, ...], float32.
 
-    The checker builds its single-process reference from the same call, so both hold the same values.
+    One Linear per (weight, bias) pair, a ReLU between two. The checker builds its single-process
+    reference from the same call, so both hold the same values.
     """
-    hidden, features = weights[0].shape
-    model = torch.nn.Sequential(torch.nn.Linear(features, hidden), torch.nn.ReLU(),
-                                torch.nn.Linear(hidden, weights[2].shape[0]))
+    layers: list[torch.nn.Module] = []
+    for weight in weights[::2]:
+        if layers:
+            layers.append(torch.nn.ReLU())
+        layers.append(torch.nn.Linear(weight.shape[1], weight.shape[0]))
+    model = torch.nn.Sequential(*layers)
     with torch.no_grad():
         for parameter, value in zip(model.parameters(), weights):
             parameter.copy_(value)
@@ -33,17 +37,6 @@ def mlp_from_weights(weights: list[torch.Tensor]) -> torch.nn.Sequential:
 def _copies(named: dict) -> dict:
     """{name: a detached copy of the tensor, or None}: what a model holds, as plain data."""
     return {name: None if t is None else t.detach().clone() for name, t in named.items()}
-
-
-def average_gradients(fn: Callable, weights: list, inputs: torch.Tensor, targets: torch.Tensor,
-                      frozen: list[str]) -> dict:
-    """This rank's backward on its shard (mse_loss), then fn(model): send back every .grad (None stays None)."""
-    model = mlp_from_weights(weights)
-    for name, parameter in model.named_parameters():
-        parameter.requires_grad_(name not in frozen)
-    torch.nn.functional.mse_loss(model(inputs), targets).backward()
-    returned = fn(model)
-    return {"grads": _copies({n: p.grad for n, p in model.named_parameters()}), "returned": describe(returned)}
 
 
 def in_place_list(fn: Callable, tensors: list, *args) -> dict:
@@ -138,3 +131,97 @@ def ddp_comm_hook(fn: Callable, weights: list, inputs: torch.Tensor, targets: to
             setattr(default_hooks, name, original)
     return {"grads": _copies({n: p.grad for n, p in model.named_parameters()}), "buckets": buckets,
             "torch_compression": sorted(used)}
+
+
+class _WaitClock:
+    """Records when anything waits for a collective (`Work.wait`, `Future.wait`), on this rank's clock.
+
+    The ledger records when each all-reduce started; this records when the program waited for one,
+    so a judge can tell a wait inside backward (no overlap) from one after it. A blocking call
+    (`async_op=False`) waits inside torch.distributed, and is recorded too.
+    """
+
+    def __init__(self):
+        from torch._C import _distributed_c10d as cpp
+
+        self.times: list[float] = []
+        self.saved = [(cpp.Work, "wait", cpp.Work.wait), (torch._C.Future, "wait", torch._C.Future.wait)]
+
+    def __enter__(self):
+        import time
+
+        def recording(original):
+            def wait(handle, *args, **kwargs):
+                self.times.append(time.monotonic())
+                return original(handle, *args, **kwargs)
+            return wait
+
+        for owner, name, original in self.saved:
+            setattr(owner, name, recording(original))
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, original in self.saved:
+            setattr(owner, name, original)
+
+
+def ddp_from_scratch(fn: Callable, weights: list, bucket_cap_bytes: int, steps: list, micro_batches: list,
+                     lr: float) -> dict:
+    """model = fn(module, bucket_cap_bytes) (the learner's class), SGD(lr) over the module's parameters:
+    3 steps of forward, backward, model.finish_gradient_synchronization(), step, zero_grad on this
+    rank's batches `steps`; then one step over 2 micro-batches, the first run inside model.no_sync().
+
+    Sends back the parameters after construction and after each step, the gradients after each
+    finish_gradient_synchronization() (and after the no_sync backward), when each phase began and
+    ended, when the last gradient of each backward was ready (this driver's own hooks, registered
+    before the learner's, so they run first) and when anything waited for a collective: all on
+    the clock of the ledger's "start" times (time.monotonic).
+    """
+    import time
+
+    cls = inspect.unwrap(fn)
+    module = mlp_from_weights(weights)
+    ready_at: list[float] = []
+    for parameter in module.parameters():
+        parameter.register_post_accumulate_grad_hook(lambda p: ready_at.append(time.monotonic()))
+    loss_fn = torch.nn.functional.mse_loss
+    out: dict = {"params": [], "grads": [], "times": []}
+
+    def params() -> dict:
+        return _copies(dict(module.named_parameters()))
+
+    def grads() -> dict:
+        return _copies({n: p.grad for n, p in module.named_parameters()})
+
+    with _WaitClock() as waits, fn.learner_code():
+        model = cls(module, bucket_cap_bytes)
+        out["start"] = params()
+        optimizer = torch.optim.SGD(module.parameters(), lr=lr)
+        for inputs, targets in steps:
+            ready_at.clear()
+            loss = loss_fn(model(inputs), targets)
+            backward_start = time.monotonic()
+            loss.backward()
+            backward_end = time.monotonic()
+            model.finish_gradient_synchronization()
+            out["times"].append({"backward": (backward_start, backward_end), "finish_end": time.monotonic(),
+                                 "last_ready": max(ready_at, default=backward_end)})
+            out["grads"].append(grads())
+            optimizer.step()
+            optimizer.zero_grad()
+            out["params"].append(params())
+        (first_x, first_y), (last_x, last_y) = micro_batches
+        no_sync_start = time.monotonic()
+        with model.no_sync():
+            (loss_fn(model(first_x), first_y) / 2).backward()
+        no_sync_end = time.monotonic()
+        out["no_sync"] = {"span": (no_sync_start, no_sync_end), "grads": grads()}
+        (loss_fn(model(last_x), last_y) / 2).backward()
+        model.finish_gradient_synchronization()
+        out["no_sync"]["finish_end"] = time.monotonic()
+        out["no_sync"]["synced_grads"] = grads()
+        optimizer.step()
+        optimizer.zero_grad()
+        out["no_sync"]["params"] = params()
+    out["waits"] = list(waits.times)
+    return out
