@@ -60,7 +60,8 @@ test-quick: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests/
 
 # Re-execute the lesson and solution notebooks and store their outputs (what nbval compares),
-# dropping the per-cell execution timestamps so diffs show only real changes. The widget state
+# dropping the per-cell execution timestamps so diffs show only real changes, and the saved widget
+# state of a notebook that shows no widget (nbconvert keeps an old one: lessons 02-03 carried 01's). The widget state
 # nbconvert stores (store_widget_state, on by default) stays in the notebook: from it JupyterLab
 # draws the explorers of a reopened notebook before any cell runs (without it: "model not found").
 NB ?= notebooks/*.ipynb solutions/*.ipynb
@@ -69,7 +70,9 @@ notebooks: install
 	  (cd "$$(dirname "$$nb")" && HF_HUB_OFFLINE=1 $(CURDIR)/$(BIN)/jupyter nbconvert --to notebook --execute \
 	    --inplace --ExecutePreprocessor.timeout=600 "$$(basename "$$nb")") || exit 1; \
 	  $(BIN)/python -c "import nbformat, sys; nb = nbformat.read(sys.argv[1], 4); \
-	    [c.metadata.pop('execution', None) for c in nb.cells]; nbformat.write(nb, sys.argv[1])" "$$nb" || exit 1; \
+	    [c.metadata.pop('execution', None) for c in nb.cells]; \
+	    shown = any('application/vnd.jupyter.widget-view+json' in o.get('data', {}) for c in nb.cells for o in c.get('outputs', [])); \
+	    shown or nb.metadata.pop('widgets', None); nbformat.write(nb, sys.argv[1])" "$$nb" || exit 1; \
 	done
 
 # Regenerate exercises/ from solutions/ (answers replaced by stubs). Never edit

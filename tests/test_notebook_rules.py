@@ -80,6 +80,16 @@ def test_every_stored_widget_can_be_shown_without_its_kernel(path):
         assert view["model_id"] in saved, f"cell {index}: widget {view['model_id']} has no saved state"
 
 
+@pytest.mark.parametrize("path", STORED, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_no_notebook_carries_widget_state_it_does_not_show(path):
+    """Saved widget state another notebook left (lesson 01's, 72 KB, once sat in 02 and 03) makes
+    JupyterLab open the notebook as changed, and weighs on every diff."""
+    nb = nbformat.read(path, as_version=4)
+    saved = set(nb.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {}))
+    shown = [out.data[WIDGET_VIEW]["model_id"] for _, out in _outputs(nb) if WIDGET_VIEW in out.get("data", {})]
+    assert not saved or shown, f"{len(saved)} saved widget models and no widget shown"
+
+
 @pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name)
 def test_lesson_within_budget(path):
     nb = nbformat.read(path, as_version=4)
@@ -98,8 +108,10 @@ def test_outputs_that_answer_a_prediction_are_stored_collapsed(path):
     JupyterLab then shows a bar with the output's first line, which must not give the answer (not
     checked here), until the learner clicks it or runs the cell. nbval still compares the output."""
     nb = nbformat.read(path, as_version=4)
+    # A reveal cell (`%reveal`) stores only the line asking for a prediction: tests/test_think_first.py.
     shown = [i for i, cell in enumerate(nb.cells) if cell.cell_type == "code" and cell.outputs
              and len(PREDICTION.findall(cell.source)) > len(PREDICTION_LEFT_BLANK.findall(cell.source))
+             and "reveal" not in cell.metadata.get("tags", [])
              and not cell.metadata.get("jupyter", {}).get("outputs_hidden")]
     assert not shown, f"cells that read a prediction and show the answer in their stored output: {shown}"
 
