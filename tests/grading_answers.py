@@ -26,6 +26,14 @@ def ring_allreduce(tensor: torch.Tensor) -> None:
         chunks[recv_index].copy_(incoming)
 '''
 
+# Float32 buffers whatever the tensor's dtype: right sums, but an int64 tensor leaves in half its bytes.
+RING_FLOAT_BUFFERS = (RING_SOLUTION
+                      .replace("incoming = torch.empty_like(chunks[recv_index])",
+                               "incoming = torch.empty(chunks[recv_index].shape)")
+                      .replace("request = dist.isend(chunks[send_index], send_to)",
+                               "request = dist.isend(chunks[send_index].float(), send_to)")
+                      .replace("chunks[recv_index].add_(incoming)", "chunks[recv_index].add_(incoming.to(tensor.dtype))"))
+
 RING_AVERAGES = RING_SOLUTION + "    tensor /= world\n"
 
 # Passes the whole tensor around the ring, adding what arrives: right sums, (N-1)x the bytes.

@@ -121,6 +121,9 @@ ACCUMULATE_NEVER_ON = ACCUMULATE_SOLUTION.replace("set_requires_gradient_sync(i 
 ACCUMULATE_ROOT_ONLY = ACCUMULATE_SOLUTION.replace("set_requires_gradient_sync(i == k - 1)",
                                                    "set_requires_gradient_sync(i == k - 1, recurse=False)")
 
+# The gradients left in .grad after the step (the statement asks for them zeroed).
+ACCUMULATE_GRADS_KEPT = ACCUMULATE_SOLUTION.replace("    optimizer.zero_grad()\n", "", 1)
+
 # The loss not divided by K: the K backwards add up to K times the mean.
 ACCUMULATE_NOT_DIVIDED = ACCUMULATE_SOLUTION.replace(" / k\n", "\n")
 

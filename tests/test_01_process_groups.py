@@ -102,6 +102,10 @@ WRONG = [
         "sums an int64 tensor on 2 ranks (keeps its dtype)": "RuntimeError",
         "sums on 4 ranks, sizes that do not divide by 4": "that is the sum divided by 4; sum, do not average",
     }, id="ring-averages"),
+    pytest.param("01.ring_allreduce", answers.RING_FLOAT_BUFFERS, {
+        "sums an int64 tensor on 2 ranks (keeps its dtype)":
+            "(the messages were float32, the tensor int64: make the buffers with the tensor's dtype)",
+    }, id="ring-float-buffers"),
     pytest.param("01.ring_allreduce", answers.RING_WHOLE_TENSOR, {
         "sends 2(N-1)/N of the tensor per rank (a chunked ring)":
             "sent 84 B for a 28 B tensor; a ring over 4 chunks sends at most 48 B",

@@ -289,6 +289,10 @@ WRONG = [
         ACC_SYNC_2: (MICRO_2, "reduce-scatters 2 in micro-batch 1, 2 in micro-batch 2, 3 in micro-batch 3: " + RECURSE),
         ACC_SYNC_4: (MICRO_4, "reduce-scatters 3 in micro-batch 1, 4 in micro-batch 2: " + RECURSE),
     }, id="accumulate-recurse-false"),
+    pytest.param(ACCUMULATE, answers.ACCUMULATE_GRADS_KEPT, {
+        ACC_STEP_2: (MICRO_2, "after the step blocks.0.up.weight.grad still holds the gradient"),
+        ACC_STEP_4: (MICRO_4, "the statement asks for the gradients zeroed after the step"),
+    }, id="accumulate-grads-kept"),
     pytest.param(ACCUMULATE, answers.ACCUMULATE_NOT_DIVIDED, {
         ACC_STEP_2: MICRO_2 + "after the step its shard of blocks.0.up.weight (rows 0 to 6 of 13) element [0, 0] is "
                               "0.22997, expected 0.234917: the update is 3 times too large: divide each micro-batch's "

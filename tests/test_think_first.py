@@ -205,7 +205,7 @@ def test_hints_go_one_level_further_after_each_failed_check_and_stay_at_the_last
 
     hints = ("Reread section 4.", "dist.all_reduce", "Average every gradient.")
     lines = [hint_line(hints, failed) for failed in range(4)]
-    assert lines[0].startswith("hint 1 of 3; check again after a change for the next: Reread section 4.")
+    assert lines[0].startswith("hint 1 of 3; the next failed check shows the next: Reread section 4.")
     assert lines[1].endswith(": dist.all_reduce") and lines[1].startswith("hint 2 of 3")
     assert lines[2] == lines[3] == "hint 3 of 3: Average every gradient."
     assert hint_line((), 0) == ""

@@ -27,5 +27,5 @@ def hint_line(hints: tuple[str, ...], failed_before: int) -> str:
     if not hints:
         return ""
     level = min(failed_before, len(hints) - 1)
-    more = "; check again after a change for the next" if level < len(hints) - 1 else ""
+    more = "; the next failed check shows the next" if level < len(hints) - 1 else ""
     return f"hint {level + 1} of {len(hints)}{more}: {hints[level]}"

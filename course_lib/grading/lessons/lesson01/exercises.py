@@ -64,7 +64,16 @@ def _sent_too_little(outcome: RunOutcome, case: int, rank: int) -> str:
         return ""
     return (f"rank {rank}, {_case_label(outcome, case)}: sent only {binary_bytes(sent, significant=3)} of a "
             f"{binary_bytes(size, significant=3)} tensor with send/isend, so its values cannot all have reached "
-            "the other ranks")
+            f"the other ranks{_narrower_dtype(outcome, case, rank)}")
+
+
+def _narrower_dtype(outcome: RunOutcome, case: int, rank: int) -> str:
+    """If the messages were of another dtype than the tensor (int64 sent as float32 buffers), say so."""
+    dtype = str(outcome.inputs[case][rank][0].dtype).removeprefix("torch.")
+    other = sorted({e["dtype"] for e in outcome.results[case][rank].ledger if e["op"] in SENDS} - {dtype, None})
+    if not other:
+        return ""
+    return f" (the messages were {', '.join(other)}, the tensor {dtype}: make the buffers with the tensor's dtype)"
 
 
 def _ring_sums(cases: range | None = None):

@@ -43,7 +43,8 @@ def _micro_label(outcome: RunOutcome, case: int) -> str:
 
 
 def _accumulated(outcome: RunOutcome) -> list[str]:
-    """Every rank's rows of every parameter equal one process's SGD step on all micro-batches of all ranks."""
+    """Every rank's rows of every parameter equal one process's SGD step on all micro-batches of all ranks,
+    and the gradients were zeroed after it."""
     import torch
 
     n = outcome.nproc
@@ -54,6 +55,11 @@ def _accumulated(outcome: RunOutcome) -> list[str]:
         inputs, targets = torch.cat([x for x, _ in pairs]), torch.cat([y for _, y in pairs])
         expected = sgd_reference(toy(sizes, weights), [(inputs, targets)], lr)
         for rank, result in sorted(by_rank.items()):
+            kept = result.output.get("grads_kept", [])
+            if kept:
+                return [f"rank {rank}, {_micro_label(outcome, case)}: after the step {kept[0]}.grad still holds the "
+                        f"gradient ({len(kept)} parameter{'s' * (len(kept) != 1)} in all): the statement asks for the "
+                        "gradients zeroed after the step, so the next step starts from none"]
             for name, full in expected.items():
                 got = result.output["shards"][name]
                 wrong = rows_wrong(got, full, rank, n, name)

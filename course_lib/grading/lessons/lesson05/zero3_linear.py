@@ -32,7 +32,8 @@ HINTS = (
     "Reread lesson 05, section 2 (what a unit gathers in forward and backward, and frees) and section 5 "
     "'reshard_after_forward', the case True; the exercise's own paragraph on torch.autograd.Function.",
     "torch.autograd.Function (forward(ctx, ...), backward(ctx, grad_output), ctx.save_for_backward), "
-    "dist.all_gather_into_tensor and dist.reduce_scatter_tensor with op=dist.ReduceOp.AVG.",
+    "dist.all_gather_single and dist.reduce_scatter_single with op=dist.ReduceOp.AVG (torch 2.13's names; "
+    "all_gather_into_tensor and reduce_scatter_tensor are the older, deprecated ones).",
     "Make one Function do the layer's whole computation: in forward gather the weight, compute, and save "
     "only what is small (the input and the shards); in backward gather the weight again for the input's "
     "gradient, compute the whole weight's and bias's gradients from this rank's rows, and reduce-scatter "
