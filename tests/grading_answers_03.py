@@ -268,3 +268,25 @@ ZERO1_ROUND_ROBIN = ZERO1_SOLUTION.replace(
     "        for p in sorted(self.params, key=lambda t: t.numel(), reverse=True):\n"
     "            least = sizes.index(min(sizes))\n",
     "        for index, p in enumerate(self.params):\n            least = index % world\n")
+
+# torch's own ZeroRedundancyOptimizer wrapped: what the exercise asks to build, refused by the checker.
+ZERO1_WRAPS_TORCHS = '''%%exercise 03.zero1_by_hand
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+
+class ShardedOptimizer:
+    def __init__(self, params, optimizer_class, **defaults):
+        self.params = list(params)
+        self.zero = ZeroRedundancyOptimizer(self.params, optimizer_class=optimizer_class, **defaults)
+        self.optim = self.zero.optim
+
+    def zero_grad(self) -> None:
+        self.zero.zero_grad()
+
+    def step(self) -> None:
+        for p in self.params:
+            dist.all_reduce(p.grad)
+            p.grad.div_(dist.get_world_size())
+        self.zero.step()
+'''

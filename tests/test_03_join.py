@@ -302,6 +302,10 @@ WRONG = [
                  "holds 296 B (the state of 0.weight, 2.weight); the greedy split",
         SHARE_3: "optim.state holds 216 B (the state of 0.weight, 2.bias); the greedy split",
     }, id="zero1-round-robin-partition"),
+    pytest.param(ZERO1, answers.ZERO1_WRAPS_TORCHS, {
+        name: "RuntimeError: ZeroRedundancyOptimizer is what this exercise asks you to build: it is not allowed here"
+        for name in (ADAM_2, SGD_2, SHARE_2, ADAM_3, SHARE_3)
+    }, id="zero1-wraps-torchs-zero"),
 ]
 
 

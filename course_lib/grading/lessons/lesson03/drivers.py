@@ -6,6 +6,7 @@ every driver follows: copy the inputs, return plain data).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Callable
 
@@ -171,14 +172,31 @@ def zero_save(fn: Callable, weights: list, steps: list, saved_after: int, lr: fl
             "load_error": load_error}
 
 
+@contextlib.contextmanager
+def _refused(cls: type):
+    """`cls(...)` raises while inside: the exercise is to build what `cls` does, not to call it."""
+    original = cls.__init__
+
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError(f"{cls.__name__} is what this exercise asks you to build: it is not allowed here")
+
+    cls.__init__ = refuse
+    try:
+        yield
+    finally:
+        cls.__init__ = original
+
+
 def zero1_by_hand(fn: Callable, weights: list, steps: list, optimizer_name: str, defaults: dict) -> dict:
     """`fn` is the learner's ShardedOptimizer class: optimizer = fn(model.parameters(), torch.optim.<name>,
     **defaults) over a plain model; one step per (inputs, targets) of `steps` (this rank's rows), each
     zero_grad(), backward of mse_loss, step(). Send back the parameters, the bytes of the tensors in
     optimizer.optim.state, and which parameters (by index) optimizer.optim holds."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
     model = mlp_from_weights(weights)
     cls = inspect.unwrap(fn)
-    with fn.learner_code():
+    with fn.learner_code(), _refused(ZeroRedundancyOptimizer):
         optimizer = cls(model.parameters(), getattr(torch.optim, optimizer_name), **defaults)
         for inputs, targets in steps:
             optimizer.zero_grad()
