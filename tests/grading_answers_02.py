@@ -143,6 +143,10 @@ def fp16_compress(process_group, bucket):
 # Does not divide by the world size: gradients N times too large.
 FP16_NO_DIVIDE = FP16_SOLUTION.replace(".div_(group.size())", "")
 
+# Sums in float16 and divides afterwards: right for small gradients, inf where the sum passes 65504.
+FP16_SUM_THEN_DIVIDE = FP16_SOLUTION.replace(".div_(group.size())", "").replace(
+    "buffer.copy_(fut.value()[0])", "buffer.copy_(fut.value()[0].float() / group.size())")
+
 # Sends the float32 buffer: right gradients, twice the bytes.
 FP16_NO_COMPRESSION = FP16_SOLUTION.replace("buffer.to(torch.float16).div_(group.size())",
                                             "buffer.div_(group.size())")

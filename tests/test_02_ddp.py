@@ -207,6 +207,9 @@ WRONG = [
         HOOK_GRADS_2: "that is 2 times the average, the sum",
         HOOK_GRADS_3: "that is 3 times the average, the sum",
     }, id="fp16-no-divide"),
+    pytest.param("02.fp16_compress_hook", answers.FP16_SUM_THEN_DIVIDE, {
+        HOOK_GRADS_2: "float16 overflowed (its largest value is 65504): each rank's gradient fits",
+    }, id="fp16-sum-then-divide"),
     pytest.param("02.fp16_compress_hook", answers.FP16_NO_COMPRESSION, {
         HOOK_WIRE_2: "all_reduce float32 of 176 B, expected 1 call: float16 of 88 B (half the float32 gradients' "
                      "bytes): float32 on the wire, twice the bytes",

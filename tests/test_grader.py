@@ -355,3 +355,17 @@ def test_a_check_stops_at_the_first_run_that_hangs_and_says_its_diagnosis_once()
     assert all(i.message.startswith("not run: an earlier run did not finish") for i in items[first_run:])
     assert sum(i.score for i in items) == 0 and len(items) == sum(len(run.items) for run in ring.runs)
     assert elapsed < 4 + 20, elapsed  # one deadline, not one per run
+
+
+def test_a_gloo_abort_says_what_gloo_said_and_a_deadline_with_no_waiting_rank_may_be_a_busy_machine():
+    from course_lib.grading.checker import _gloo_abort, _maybe_busy
+
+    lines = ["terminate called after throwing an instance of 'gloo::EnforceNotMet'",
+             "  what():  [enforce fail at gloo/transport/tcp/pair.cc:446] op.preamble.length <= op.nbytes. "
+             "16 vs 4. Received data size doesn't match expected size"]
+    said = _gloo_abort(lines)
+    assert "16 vs 4. Received data size doesn't match expected size" in said
+    assert "the ranks' collectives do not match" in said and _gloo_abort(["Aborted"]) == ""
+    assert "the machine may have been busy" in _maybe_busy(["ranks 0, 1 are still in your function: they are "
+                                                           "running Python at cell line 4, before any collective"])
+    assert _maybe_busy(["rank 0 is still in your function: it is waiting in recv #1 (40 B, world group)"]) == ""

@@ -180,7 +180,7 @@ def _launch_failure(exercise: Exercise, run: RunSpec, launch: LaunchResult, time
     """Why a run did not finish normally, in one line naming the rank ("" if it did)."""
     if launch.timed_out:
         stuck = "; ".join(launch.diagnosis) if launch.diagnosis else "ranks " + ", ".join(map(str, launch.unfinished))
-        return f"{DID_NOT_FINISH} {timeout_s:g} s on {run.nproc} ranks ({stuck})"
+        return f"{DID_NOT_FINISH} {timeout_s:g} s on {run.nproc} ranks ({stuck}){_maybe_busy(launch.diagnosis)}"
     if launch.ok:
         return ""
     rank = launch.root_cause if launch.root_cause is not None else (launch.failed or [0])[0]
@@ -192,7 +192,8 @@ def _launch_failure(exercise: Exercise, run: RunSpec, launch: LaunchResult, time
     if code is not None and code < 0:
         name = signal.Signals(-code).name
         why = {"SIGXCPU": " (used more than its CPU time)",
-               "SIGKILL": " (killed, perhaps for memory)"}.get(name, "")
+               "SIGKILL": " (killed, perhaps for memory)",
+               "SIGABRT": _gloo_abort(lines)}.get(name, "")
         return f"rank {rank} was ended by {name}{why}"
     where = _CELL_LINE.findall(err)
     at = f" at cell line {where[-1]}" if where else ""
@@ -209,6 +210,27 @@ def _launch_failure(exercise: Exercise, run: RunSpec, launch: LaunchResult, time
             return f"rank {rank} raised{at}: NotImplementedError: this part of {exercise.id} is not written yet"
         return f"rank {rank} raised{at}: {last}"
     return f"rank {rank} exited with code {code}: {last}"
+
+
+def _maybe_busy(diagnosis: list[str]) -> str:
+    """When no stuck rank waited in a collective, the deadline may have come from a busy machine, not a hang."""
+    if not diagnosis or any(" waiting in " in line or " wait in " in line or " waits in " in line
+                            for line in diagnosis):
+        return ""
+    return ("; no rank was waiting for another: unless your code loops, the machine may have been busy, "
+            "so check again")
+
+
+def _gloo_abort(lines: list[str]) -> str:
+    """What gloo said before it aborted the process: collectives that do not match across the ranks."""
+    said = next((line for line in reversed(lines) if "enforce fail" in line or "what():" in line), "")
+    if not said:
+        return ""
+    said = said.split("what():", 1)[-1].strip()
+    if len(said) > 200:
+        said = said[:200] + " ..."
+    return (f" (gloo aborted the process: {said}; it does so when the ranks' collectives do not match: another "
+            "call, or another size, on some rank)")
 
 
 MAX_ERROR_CHARS = 500  # of an exception's message in a report

@@ -11,7 +11,7 @@ from .spec import Prediction
 
 __all__ = ["RevealError", "reveal", "write_first"]
 
-WRITE_FIRST = ("Write your prediction first: set {variable} in the cell above to your number, "
+WRITE_FIRST = ("Write your prediction first: set {variable} in the cell above to your answer, "
                "then run this cell again.")
 
 

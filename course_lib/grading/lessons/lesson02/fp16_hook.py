@@ -28,6 +28,27 @@ def _own_hook(judge):
     return judged
 
 
+# Targets scaled so that each rank's largest gradient is about 42,600: within float16 (largest 65504), as is
+# the average over the ranks, while the sum of 2 ranks' is not.
+LARGE_TARGETS = 150_000.0
+
+
+def _large_gradient_case(n: int) -> dict[int, tuple]:
+    """Every rank the same 4 rows, targets scaled by LARGE_TARGETS: equal gradients near 42,600 on each rank."""
+    (case,) = _shard_cases(n, [(9, 4 * n, 73, ())])
+    _, inputs, targets, _ = case[0]
+    return {r: (case[r][0], inputs, targets * LARGE_TARGETS) for r in range(n)}
+
+
+def _overflow_hint(got) -> str:
+    import torch
+
+    if torch.isfinite(got).all():
+        return ""
+    return (": float16 overflowed (its largest value is 65504): each rank's gradient fits and so does the "
+            "average, but the sum over the ranks does not; keep every value within range on the way")
+
+
 def _hook_grads(outcome: RunOutcome) -> list[str]:
     """Every rank's .grad is the full-batch gradient, within float16 rounding."""
     n = outcome.nproc
@@ -40,7 +61,8 @@ def _hook_grads(outcome: RunOutcome) -> list[str]:
                 wrong = first_difference(got[name], expected[name], rtol=FP16_RTOL, atol=FP16_ATOL)
                 if wrong:
                     # A sum of N float16 gradients carries N times their rounding.
-                    hint = _ratio_hint(got[name], expected[name], n, FP16_RTOL, n * FP16_ATOL)
+                    hint = _overflow_hint(got[name]) or _ratio_hint(got[name], expected[name], n, FP16_RTOL,
+                                                                    n * FP16_ATOL)
                     return [f"rank {rank}, {_batch_label(outcome, case)}: {name}.grad {wrong}{hint}"]
     return []
 
@@ -87,7 +109,8 @@ FP16_HOOK = Exercise(
     required_ops=ALL_REDUCE,
     preload=DDP_PRELOAD,
     runs=(
-        RunSpec(2, lambda n: [{r: case[r][:3] for r in case} for case in _shard_cases(n, [(7, 8, 71, ())])],
+        RunSpec(2, lambda n: [{r: case[r][:3] for r in case} for case in _shard_cases(n, [(7, 8, 71, ())])]
+                + [_large_gradient_case(n)],
                 (Item("gradients equal the full-batch ones within float16 rounding (2 ranks)", 1,
                       _own_hook(_hook_grads)),
                  Item("all-reduces float16: half the bytes of the float32 gradients (2 ranks)", 1,
