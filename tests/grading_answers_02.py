@@ -326,3 +326,9 @@ DDP_REACHES_THE_CAP = DDP_SOLUTION.replace(
     "            self.ready += 1\n"
     "            if self.bucket_bytes >= bucket_cap_bytes and self.ready < len(params):\n"
     "                start_bucket()\n")
+
+# Inside no_sync() each gradient is dropped instead of kept: the next average has the outside micro-batch only.
+DDP_NO_SYNC_DROPS = DDP_SOLUTION.replace(
+    "                return  # inside no_sync(): the gradient stays in p.grad, added to by the next backward\n",
+    "                p.grad.zero_()  # the gradient is dropped\n                return\n")
+assert DDP_NO_SYNC_DROPS != DDP_SOLUTION

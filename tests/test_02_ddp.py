@@ -230,6 +230,10 @@ WRONG = [
         DDP_OVERLAP: "rank 0, step 1: waited for a collective 4 times while backward ran (inside a hook): backward "
                      "stalled on each bucket's all-reduce, no overlap",
     }, id="ddp-waits-in-the-hook"),
+    pytest.param("02.ddp_from_scratch", answers.DDP_NO_SYNC_DROPS, {
+        DDP_NO_SYNC: "that is the average of the micro-batch run outside no_sync() only: the gradient computed "
+                     "inside it was lost",
+    }, id="ddp-no-sync-drops-the-gradient"),
     pytest.param("02.ddp_from_scratch", answers.DDP_ALL_IN_FINISH, {
         DDP_OVERLAP: "rank 0, step 1: 0 of 4 all_reduce calls started before backward returned, none before the "
                      "last gradient was ready",

@@ -271,9 +271,30 @@ def _no_sync(outcome: RunOutcome) -> list[str]:
                 wrong = first_difference(got[name], expected[name], rtol=RTOL, atol=ATOL)
                 if wrong:
                     hint = _ratio_hint(got[name], expected[name], n) if label == "gradient" else ""
+                    if label == "gradient" and not hint:
+                        hint = _lost_micro_batch_hint(outcome, case, reference, got, name)
                     return [f"rank {rank}: after a backward inside no_sync() and one outside, {name}'s {label} "
                             f"{wrong} (one process on all the micro-batches){hint}"]
     return []
+
+
+def _lost_micro_batch_hint(outcome: RunOutcome, case: int, reference: dict, got: dict, name: str) -> str:
+    """If the gradient is the average of the micro-batch outside no_sync() only, say the inside one was lost."""
+    import torch
+
+    n, inputs = outcome.nproc, outcome.inputs[case]
+    model = _model(inputs[0][0])
+    with torch.no_grad():
+        for parameter, value in zip(model.parameters(), reference["params"][STEPS - 1].values()):
+            parameter.copy_(value)
+    x = torch.cat([inputs[r][3][1][0] for r in range(n)])
+    y = torch.cat([inputs[r][3][1][1] for r in range(n)])
+    (torch.nn.functional.mse_loss(model(x), y) / 2).backward()
+    outside_only = dict(model.named_parameters())[name].grad
+    if first_difference(got[name], outside_only, rtol=1e-4, atol=1e-6):
+        return ""
+    return (": that is the average of the micro-batch run outside no_sync() only: the gradient computed inside "
+            "it was lost; what a backward adds to .grad inside no_sync() must be part of the next average")
 
 
 def _rank0_parameters(outcome: RunOutcome) -> list[str]:
