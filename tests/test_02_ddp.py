@@ -187,7 +187,8 @@ WRONG = [
     }, id="bucketed-strict-cap"),
     pytest.param("02.no_sync_accumulation", answers.ACCUMULATION_SYNC_EVERY_TIME, {
         SYNC_ONCE: "2 all_reduce calls of 176 B, 176 B, expected 1 (one per DDP bucket, on the last backward "
-                   "only): DDP synchronised 2 times; run the first K-1=1 backwards inside ddp_model.no_sync()",
+                   "only): DDP synchronised 2 times; the first K-1=1 micro-batches' forward and backward both belong "
+                   "inside ddp_model.no_sync()",
     }, id="accumulation-syncs-every-time"),
     pytest.param("02.no_sync_accumulation", answers.ACCUMULATION_NEVER_SYNCS, {
         STEP_2: "the ranks hold different parameters, so no gradient was all-reduced; run the last "

@@ -81,8 +81,9 @@ def _synchronised_once(outcome: RunOutcome) -> list[str]:
                         "outside no_sync()"]
             hint = ""
             if got == expected * (len(got) // len(expected)) and len(got) // len(expected) > 1:
-                hint = (f": DDP synchronised {len(got) // len(expected)} times; run the first K-1={k - 1} "
-                        "backwards inside ddp_model.no_sync()")
+                hint = (f": DDP synchronised {len(got) // len(expected)} times; the first K-1={k - 1} micro-batches' "
+                        "forward and backward both belong inside ddp_model.no_sync() (DDP decides in the forward "
+                        "whether the next backward communicates)")
             return [f"{where}: {len(got)} all_reduce calls of {', '.join(binary_bytes(b) for b in got)}, "
                     f"{should}{hint}"]
     return []
