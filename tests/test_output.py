@@ -222,3 +222,11 @@ def test_frames_are_named_from_their_package_down_for_installed_and_editable_cou
     assert 'File "torch/nn/modules/module.py", line 3' in short
     assert str(here) not in short and "site-packages" not in short
     assert 'File "<cell>", line 4' in clean_paths(text, "/tmp/x/cell.py")
+
+
+def test_the_cell_runners_frames_leave_a_stack_whether_its_path_is_absolute_or_short():
+    from course_lib.launcher.torchrun import _RUNNER_FRAME
+
+    for path in ("/home/me/course/course_lib/rank/cell_runner.py", "course_lib/rank/cell_runner.py"):
+        stack = f'  File "<cell>", line 27 in <module>\n  File "{path}", line 142 in main\n'
+        assert _RUNNER_FRAME.sub("", stack) == '  File "<cell>", line 27 in <module>\n'

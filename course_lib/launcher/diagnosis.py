@@ -41,7 +41,7 @@ def _module_path(module) -> str:
 
 
 # Frames that are this library's, not the learner's: the ledger's wrapper, the pool worker's loop, runpy.
-_OURS = re.compile(r'File "(?:[^"]*/(?:%s)|<frozen runpy>)"' % "|".join(
+_OURS = re.compile(r'File "(?:(?:[^"]*/)?(?:%s)|<frozen runpy>)"' % "|".join(
     re.escape(_module_path(m)) for m in (ledger, pool_worker)))
 _CELL_FRAME = re.compile(r'File "(?:%s|[^"]*%s)", line (\d+)' % (re.escape(CELL_LABEL), re.escape(SCRIPT_NAME)))
 

@@ -149,8 +149,9 @@ def _cell_target(script_path: pathlib.Path) -> list[str]:
     return ["-m", CELL_RUNNER_MODULE, str(script_path)]
 
 
-# A stack's frames of the runner, which calls the cell: `File ".../course_lib/rank/cell_runner.py", line 9 in main`.
-_RUNNER_FRAME = re.compile(r'^.*File "[^"]*/%s".*\n?' % re.escape(CELL_RUNNER_MODULE.replace(".", "/") + ".py"),
+# A stack's frames of the runner, which calls the cell: `File ".../course_lib/rank/cell_runner.py", line 9 in main`
+# (or `File "course_lib/rank/cell_runner.py"` once named from the package down: rank_output.short_frames).
+_RUNNER_FRAME = re.compile(r'^.*File "(?:[^"]*/)?%s".*\n?' % re.escape(CELL_RUNNER_MODULE.replace(".", "/") + ".py"),
                            re.MULTILINE)
 
 
