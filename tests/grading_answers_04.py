@@ -28,63 +28,77 @@ POLICY_STRICTLY_MORE = POLICY_SOLUTION.replace("nonwrapped_numel >= MIN_NUMEL", 
 
 SHARD_SOLUTION = '''%%exercise 04.flat_shard_numel
 def shard_numel(param_numels: list[int], world_size: int) -> tuple[int, int]:
-    total = sum(param_numels)
-    shard = -(-total // world_size)
-    return shard, shard * world_size - total
-'''
-
-# Floor division: no padding.
-SHARD_FLOOR = '''%%exercise 04.flat_shard_numel
-def shard_numel(param_numels: list[int], world_size: int) -> tuple[int, int]:
-    return sum(param_numels) // world_size, 0
-'''
-
-# Each parameter padded to a multiple of the world size on its own.
-SHARD_PER_PARAMETER = '''%%exercise 04.flat_shard_numel
-def shard_numel(param_numels: list[int], world_size: int) -> tuple[int, int]:
-    shard = sum(-(-numel // world_size) for numel in param_numels)
+    align = 16 // 4
+    end = 0
+    for numel in param_numels:
+        end = -(-end // align) * align + numel
+    shard = -(-end // world_size)
     return shard, shard * world_size - sum(param_numels)
 '''
 
-# The padding as world_size - total % world_size: a whole world size of it when the total divides.
-SHARD_PADS_WHEN_EVEN = '''%%exercise 04.flat_shard_numel
-def shard_numel(param_numels: list[int], world_size: int) -> tuple[int, int]:
-    total = sum(param_numels)
-    return -(-total // world_size), world_size - total % world_size
-'''
+# The lesson's use_orig_params=False layout: the parameters back to back, no alignment.
+SHARD_NO_ALIGNMENT = SHARD_SOLUTION.replace("    align = 16 // 4\n", "    align = 1\n")
+
+# 16 elements, not 16 bytes.
+SHARD_ALIGNS_16_ELEMENTS = SHARD_SOLUTION.replace("    align = 16 // 4\n", "    align = 16\n")
+
+# The end of the last parameter aligned too, before the world-size padding.
+SHARD_ALIGNS_END = SHARD_SOLUTION.replace(
+    "    shard = -(-end // world_size)\n", "    end = -(-end // align) * align\n    shard = -(-end // world_size)\n")
+
+# Floor division: the rest of the aligned FlatParameter left out, no padding at the end.
+SHARD_FLOOR = SHARD_SOLUTION.replace("    shard = -(-end // world_size)\n", "    shard = end // world_size\n").replace(
+    "    return shard, shard * world_size - sum(param_numels)\n", "    return shard, end - sum(param_numels)\n")
+
+# The end padding as world_size - end % world_size: a whole world size of it when the end divides.
+SHARD_PADS_WHEN_EVEN = SHARD_SOLUTION.replace(
+    "    return shard, shard * world_size - sum(param_numels)\n",
+    "    return shard, end - sum(param_numels) + world_size - end % world_size\n")
 
 CLIP_SOLUTION = '''%%exercise 04.clip_grad_norm
-import torch
-
-
-def clip(model, max_norm: float) -> torch.Tensor:
-    return model.clip_grad_norm_(max_norm)
-'''
-
-# torch.nn.utils.clip_grad_norm_ over the rank's FlatParameter shards: the norm of this rank's shard only.
-CLIP_LOCAL = '''%%exercise 04.clip_grad_norm
-import torch
-
-
-def clip(model, max_norm: float) -> torch.Tensor:
-    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-'''
-
-# By hand, but all-reducing the local norms instead of their squares.
-CLIP_SUMS_NORMS = '''%%exercise 04.clip_grad_norm
 import torch
 import torch.distributed as dist
 
 
 def clip(model, max_norm: float) -> torch.Tensor:
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    norm = torch.stack([g.square().sum() for g in grads]).sum().sqrt()
-    dist.all_reduce(norm)
-    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    squares = torch.stack([torch.linalg.vector_norm(g) ** 2 for g in grads]).sum()
+    dist.all_reduce(squares)
+    norm = squares.sqrt()
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for g in grads:
         g.mul_(scale)
     return norm
 '''
+
+# No collective: the norm of this rank's shard only, and each rank clips by its own.
+CLIP_LOCAL = CLIP_SOLUTION.replace("    dist.all_reduce(squares)\n", "")
+
+# The ranks' norms added, instead of their squares.
+CLIP_SUMS_NORMS = CLIP_SOLUTION.replace(
+    "    dist.all_reduce(squares)\n    norm = squares.sqrt()\n", "    norm = squares.sqrt()\n    dist.all_reduce(norm)\n")
+
+# The ranks' norms all-reduced with MAX: the largest shard norm.
+CLIP_MAX = CLIP_SOLUTION.replace(
+    "    dist.all_reduce(squares)\n    norm = squares.sqrt()\n",
+    "    norm = squares.sqrt()\n    dist.all_reduce(norm, op=dist.ReduceOp.MAX)\n")
+
+# The factor not capped at 1: a max_norm above the norm scales the gradients up.
+CLIP_ALWAYS_SCALES = CLIP_SOLUTION.replace("torch.clamp(max_norm / (norm + 1e-6), max=1.0)", "max_norm / (norm + 1e-6)")
+
+# torch's clipping, refused while the learner's code runs.
+CLIP_WITH_TORCH = '''%%exercise 04.clip_grad_norm
+import torch
+from torch.nn.utils import clip_grad_norm_
+
+
+def clip(model, max_norm: float) -> torch.Tensor:
+    return clip_grad_norm_(model.parameters(), max_norm)
+'''
+
+# FSDP's own method, refused too.
+CLIP_WITH_FSDP = CLIP_WITH_TORCH.replace("    return clip_grad_norm_(model.parameters(), max_norm)\n",
+                                         "    return model.clip_grad_norm_(max_norm)\n")
 
 SAVE_SOLUTION = '''%%exercise 04.full_state_dict
 import torch
@@ -125,14 +139,20 @@ SAVE_LOCAL = SAVE_SOLUTION.replace(
 # (https://github.com/pytorch/pytorch/issues/188989); a torch with the fix saves the right file.
 SAVE_OFFLOAD_ON_CPU = SAVE_SOLUTION.replace("offload_to_cpu=on_gpu", "offload_to_cpu=True")
 
-# FSDP's clip_grad_norm_ on rank 0 only: it all-reduces the squared norms, and rank 1 never joins.
+# The all-reduce on rank 0 only: rank 1 never joins it.
 CLIP_ON_RANK_0_ONLY = CLIP_SOLUTION.replace(
-    "import torch\n", "import torch\nimport torch.distributed as dist\n", 1).replace(
-    "    return model.clip_grad_norm_(max_norm)\n",
-    "    if dist.get_rank() == 0:\n        return model.clip_grad_norm_(max_norm)\n    return torch.zeros(())\n")
+    "    dist.all_reduce(squares)\n", "    if dist.get_rank() == 0:\n        dist.all_reduce(squares)\n")
 
 # Only the big Linears: the Blocks are left to the root's unit.
 POLICY_NO_BLOCKS = POLICY_SOLUTION.replace("    if isinstance(module, Block):\n        return True\n", "")
+
+# No state_dict_type: FSDP1's default is FULL_STATE_DICT without rank0_only, so every rank builds the whole model.
+SAVE_DEFAULT = SAVE_SOLUTION.replace(
+    "    on_gpu = next(model.parameters()).is_cuda\n"
+    "    config = FullStateDictConfig(offload_to_cpu=on_gpu, rank0_only=True)\n"
+    "    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):\n"
+    "        state = model.state_dict()\n",
+    "    state = model.state_dict()\n")
 
 # The sharded state dict: each rank's part of each parameter, as ShardedTensors (for distributed checkpoints).
 SAVE_SHARDED = SAVE_LOCAL.replace("LOCAL_STATE_DICT", "SHARDED_STATE_DICT")

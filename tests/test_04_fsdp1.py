@@ -109,7 +109,7 @@ def _case_phrases(exercise_id: str, case: dict) -> list[str]:
         return [f"`units={units}`",
                 f"units of {_and([str(k) for k in numels])} elements", f"{strategy} with {names[optimizer]}"]
     if exercise_id == CLIP:
-        _, weights, inputs, targets, max_norm = case[0]
+        _, weights, inputs, targets, max_norm, _ = case[0]
         rows = inputs.shape[0]
         whole = [case[r][2] for r in range(n)], [case[r][3] for r in range(n)]
         import torch
@@ -139,7 +139,7 @@ def test_each_exercise_states_its_deadline_cases_and_allowed_calls(exercise_id):
                 assert phrase in text, f"{exercise_id}: no {phrase!r}"
     if exercise_id in (POLICY, CLIP, SAVE):
         assert f"rtol {_power(RTOL)} and atol {_power(ATOL)}" in text
-    if exercise_id in (POLICY, SAVE):
+    if exercise_id in (POLICY, CLIP, SAVE):
         assert f"lr {LR:g}" in text
     if exercise_id == POLICY:
         assert f"`MIN_NUMEL = {MIN_NUMEL}`" in text and "**at least**" in text
@@ -152,14 +152,15 @@ def test_each_exercise_states_its_deadline_cases_and_allowed_calls(exercise_id):
 
 
 def test_the_shard_reference_is_fsdp1s_layout_in_theory():
-    """flat_shard (the checker's words) and cl.theory's FlatParameter layout agree, padding across ranks included."""
+    """flat_shard without alignment (the checker's words for use_orig_params=False) and cl.theory's FlatParameter
+    layout agree, padding across ranks included."""
     for world in range(1, 6):
         for numels in ([1], [5], [24, 6, 12, 2], [104, 13, 65, 5], [9, 16, 5], [42, 1], [3, 3, 3, 3]):
             shards = theory.fsdp1_flat_shards([(f"p{i}", k) for i, k in enumerate(numels)], world)
-            shard, padding = flat_shard(numels, world)
+            shard, padding = flat_shard(numels, world, align=1)
             assert {s.shard_numel for s in shards} == {shard}, (numels, world)
             assert sum(s.padding for s in shards) == padding == shard * world - sum(numels), (numels, world)
-    assert flat_shard([5], 4) == (2, 3) and theory.fsdp1_flat_shards([("p", 5)], 4)[2].padding == 1  # on 2 ranks
+    assert flat_shard([5], 4, align=1) == (2, 3) and theory.fsdp1_flat_shards([("p", 5)], 4)[2].padding == 1  # on 2 ranks
 
 
 def test_the_memory_reference_is_measure_steps_prediction():
@@ -216,21 +217,39 @@ UNITS_2, UNITS_3 = ("the FSDP units: the root, each Block, stem.0 with exactly 1
 NUMEL_2, PAD_2, NUMEL_3, PAD_3 = (
     "the shard's numel equals FSDP's on every rank (2 ranks: 44 and 187 elements)",
     "the padding equals FSDP's (2 ranks: 44 and 187 elements)",
-    "the shard's numel equals FSDP's on every rank (3 ranks: 44, 30 and 43 elements)",
-    "the padding equals FSDP's (3 ranks: 44, 30 and 43 elements)")
-NORM_2, GRADS_2, NORM_3, GRADS_3 = (
-    "returns the total gradient norm on every rank (2 ranks)",
-    "every rank's gradient shards are clipped by it (2 ranks)",
+    "the shard's numel equals FSDP's on every rank (3 ranks: 44, 30 and 45 elements)",
+    "the padding equals FSDP's (3 ranks: 44, 30 and 45 elements)")
+NORM_2, GRADS_2, STEP_2, NORM_3, GRADS_3, STEP_3 = (
+    "returns the total gradient norm on every rank (2 ranks, clipped and not)",
+    "every rank's gradient shards are clipped by it (2 ranks, clipped and not)",
+    "an SGD step then gives one process's parameters (2 ranks)",
     "returns the total gradient norm on every rank (3 ranks, clipped and not)",
-    "every rank's gradient shards are clipped by it (3 ranks, clipped and not)")
-LOADS_2, PARAMS_2, RANK_0_ONLY_2, PARAMS_3 = (
+    "every rank's gradient shards are clipped by it (3 ranks, clipped and not)",
+    "an SGD step then gives one process's parameters (3 ranks)")
+LOADS_2, PARAMS_2, RANK_0_ONLY_2, HOLDS_2, PARAMS_3, HOLDS_3 = (
     "rank 0's file loads into the plain model with strict=True (2 ranks)",
     "its parameters equal one process's after 2 SGD steps on the whole batch (2 ranks)",
     "no other rank writes a file (2 ranks)",
-    "its parameters equal one process's after 1 SGD step on the whole batch (3 ranks)")
+    "no other rank holds the whole model's state dict (2 ranks)",
+    "its parameters equal one process's after 1 SGD step on the whole batch (3 ranks)",
+    "no other rank holds the whole model's state dict (3 ranks)")
 CASE_A = "rank 0, case 1 of 1 (2 Blocks, stem.0 Linear(9, 100), head Linear(8, 5)): the FSDP units are "
 CASE_B = "rank 0, case 1 of 1 (3 Blocks, stem.0 Linear(26, 37), head Linear(8, 120)): the FSDP units are "
-SHARD_187 = "rank 0, case 2 of 2 (param_numels=[104, 13, 65, 5], 187 elements, world_size=2): "
+SHARD_44_2 = "rank 0, case 1 of 2 (param_numels=[24, 6, 12, 2], 44 elements, world_size=2): "
+SHARD_44_3 = "rank 0, case 1 of 3 (param_numels=[24, 6, 12, 2], 44 elements, world_size=3): "
+SHARD_30 = "rank 0, case 2 of 3 (param_numels=[9, 16, 5], 30 elements, world_size=3): "
+NO_ALIGNMENT = ("that is use_orig_params=False's layout, the parameters back to back; with use_orig_params=True each "
+                "parameter starts on a 16-byte boundary, which may leave zeros between them")
+ALIGNS_END = ("that aligns the end of the last parameter too; alignment is where a parameter starts, and only the "
+              "world size pads the end")
+CLIP_A2 = "rank 0, case 1 of 2 (max_norm=0.5, batch of 8 split over 2 ranks): "
+CLIP_A3 = "rank 0, case 1 of 2 (max_norm=0.3, batch of 6 split over 3 ranks): "
+CLIP_B2 = "rank 0, case 2 of 2 (max_norm=50, batch of 8 split over 2 ranks): "
+CLIP_B3 = "rank 0, case 2 of 2 (max_norm=100, batch of 6 split over 3 ranks): "
+STEP_WRONG = "after clipping and an SGD step (lr 0.1): blocks.0.up.weight element [0, 0] is "
+REFUSED = "is what this exercise asks you to build: it is not allowed here"
+DEFAULT_WHOLE = ("state_dict() gave this rank the whole model too (10 entries): FSDP1's default full state dict "
+                 "gathers every parameter on every rank, a copy of the model per rank; only rank 0 must keep it")
 LOCAL_FILE = ("the file holds FSDP's flat parameters (_flat_param, blocks.0._flat_param, blocks.1._flat_param: a "
               "LOCAL_STATE_DICT); use StateDictType.FULL_STATE_DICT")
 SHARDED_FILE = "the file holds ShardedTensor values, not plain tensors (a SHARDED_STATE_DICT?)"
@@ -260,52 +279,97 @@ WRONG = [
         UNITS_3: CASE_B + "['', 'head'], expected ['', 'blocks.0', 'blocks.1', 'blocks.2', 'head']: blocks.0 is a "
                           "Block",
     }, id="policy-without-blocks"),
-    # 44 elements on 2 ranks divide evenly: floor division is right there; 187 is where it fails.
+    pytest.param(SHARD, answers.SHARD_NO_ALIGNMENT, {
+        NUMEL_2: SHARD_44_2 + "shard numel is 22, FSDP's shard on rank 0 holds 23 elements: " + NO_ALIGNMENT,
+        PAD_2: SHARD_44_2 + "padding is 0, the FlatParameter FSDP built holds 2 elements of padding: " + NO_ALIGNMENT,
+        NUMEL_3: SHARD_44_3 + "shard numel is 15, FSDP's shard on rank 0 holds 16 elements: " + NO_ALIGNMENT,
+        PAD_3: SHARD_44_3 + "padding is 1, the FlatParameter FSDP built holds 4 elements of padding: " + NO_ALIGNMENT,
+    }, id="shard-without-alignment"),
+    pytest.param(SHARD, answers.SHARD_ALIGNS_16_ELEMENTS, {
+        NUMEL_2: SHARD_44_2 + "shard numel is 33, FSDP's shard on rank 0 holds 23 elements: 16 bytes are not 16 "
+                              "elements: a float32 element is 4 bytes",
+        PAD_2: "padding is 22, the FlatParameter FSDP built holds 2 elements of padding: 16 bytes are not 16 elements",
+        NUMEL_3: "shard numel is 22, FSDP's shard on rank 0 holds 16 elements: 16 bytes are not 16 elements",
+        PAD_3: "padding is 22, the FlatParameter FSDP built holds 4 elements of padding: 16 bytes are not 16 elements",
+    }, id="shard-aligns-to-16-elements"),
+    # [24, 6, 12, 2] on 3 ranks: aligning the end changes nothing there (46 -> 48 either way); [9, 16, 5] catches it.
+    pytest.param(SHARD, answers.SHARD_ALIGNS_END, {
+        NUMEL_2: SHARD_44_2 + "shard numel is 24, FSDP's shard on rank 0 holds 23 elements: " + ALIGNS_END,
+        PAD_2: SHARD_44_2 + "padding is 4, the FlatParameter FSDP built holds 2 elements of padding: " + ALIGNS_END,
+        NUMEL_3: SHARD_30 + "shard numel is 12, FSDP's shard on rank 0 holds 11 elements: " + ALIGNS_END,
+        PAD_3: SHARD_30 + "padding is 6, the FlatParameter FSDP built holds 3 elements of padding: " + ALIGNS_END,
+    }, id="shard-aligns-the-end"),
+    # 46 elements on 2 ranks divide evenly: floor division is right there; 193 is where it fails.
     pytest.param(SHARD, answers.SHARD_FLOOR, {
-        NUMEL_2: SHARD_187 + "shard numel is 93, FSDP's shard on rank 0 holds 94 elements: that is floor division "
-                             "(187 // 2); FSDP1 pads the FlatParameter to a multiple of the world size",
-        PAD_2: SHARD_187 + "padding is 0, FSDP padded the FlatParameter with 1: that is floor division",
-        NUMEL_3: "rank 0, case 1 of 3 (param_numels=[24, 6, 12, 2], 44 elements, world_size=3): shard numel is 14, "
-                 "FSDP's shard on rank 0 holds 15 elements: that is floor division (44 // 3)",
-        PAD_3: "padding is 0, FSDP padded the FlatParameter with 1",
+        NUMEL_2: "rank 0, case 2 of 2 (param_numels=[104, 13, 65, 5], 187 elements, world_size=2): shard numel is 96, "
+                 "FSDP's shard on rank 0 holds 97 elements: that is floor division (193 // 2); the FlatParameter is "
+                 "padded to a multiple of the world size",
+        PAD_2: "padding is 6, the FlatParameter FSDP built holds 7 elements of padding: that is floor division",
+        NUMEL_3: SHARD_44_3 + "shard numel is 15, FSDP's shard on rank 0 holds 16 elements: that is floor division "
+                              "(46 // 3)",
+        PAD_3: "padding is 2, the FlatParameter FSDP built holds 4 elements of padding: that is floor division",
     }, id="shard-floor-division"),
-    pytest.param(SHARD, answers.SHARD_PER_PARAMETER, {
-        NUMEL_2: SHARD_187 + "shard numel is 95, FSDP's shard on rank 0 holds 94 elements: that pads each parameter "
-                             "to a multiple of the world size; FSDP1 flattens the unit's parameters into one "
-                             "FlatParameter first and pads that once, at its end",
-        PAD_2: SHARD_187 + "padding is 3, FSDP padded the FlatParameter with 1: that pads each parameter",
-        NUMEL_3: "rank 0, case 2 of 3 (param_numels=[9, 16, 5], 30 elements, world_size=3): shard numel is 11, "
-                 "FSDP's shard on rank 0 holds 10 elements: that pads each parameter",
-        PAD_3: "padding is 3, FSDP padded the FlatParameter with 0: that pads each parameter",
-    }, id="shard-pads-each-parameter"),
-    # The shard is right; only the padding of a total that divides evenly is wrong.
+    # The shard is right; only the padding of an end that divides evenly is wrong.
     pytest.param(SHARD, answers.SHARD_PADS_WHEN_EVEN, {
-        PAD_2: "rank 0, case 1 of 2 (param_numels=[24, 6, 12, 2], 44 elements, world_size=2): padding is 2, FSDP "
-               "padded the FlatParameter with 0: 44 divides evenly by 2, so there is no padding",
-        PAD_3: "rank 0, case 2 of 3 (param_numels=[9, 16, 5], 30 elements, world_size=3): padding is 3, FSDP padded "
-               "the FlatParameter with 0: 30 divides evenly by 3",
+        PAD_2: SHARD_44_2 + "padding is 4, the FlatParameter FSDP built holds 2 elements of padding: 46 elements "
+                            "divide evenly by 2, so nothing is added at the end",
+        PAD_3: SHARD_30 + "padding is 6, the FlatParameter FSDP built holds 3 elements of padding: 33 elements divide "
+                          "evenly by 3",
     }, id="shard-pads-when-even"),
     pytest.param(CLIP, answers.CLIP_LOCAL, {
-        NORM_2: "rank 0, case 1 of 1 (max_norm=0.5, batch of 8 split over 2 ranks): the norm is 1.2341, expected "
-                "1.57306 (all gradients, every rank's shard): that is the norm of this rank's shard only "
-                "(torch.nn.utils.clip_grad_norm_ over model.parameters() sees the local FlatParameter shards); the "
-                "whole norm covers every rank's shard",
-        GRADS_2: "rank 0, case 1 of 1 (max_norm=0.5, batch of 8 split over 2 ranks): this rank's shard of "
-                 "head.weight's gradient (elements 0 to 22) element 0 is -0.0644209, expected -0.0505395: clipped by "
-                 "another norm than the total, 1.57306",
-        NORM_3: "rank 0, case 1 of 2 (max_norm=0.3, batch of 6 split over 3 ranks): the norm is 1.10533, expected "
-                "1.78757 (all gradients, every rank's shard): that is the norm of this rank's shard only",
+        NORM_2: CLIP_A2 + "the norm is 1.2341, expected 1.57306 (all gradients, every rank's shard): that is the norm "
+                          "of this rank's shard only (model.parameters() yields this rank's FlatParameter shards)",
+        GRADS_2: CLIP_A2 + "this rank's shard of head.weight's gradient (elements 0 to 22) element 0 is -0.0644209, "
+                           "expected -0.0505395: clipped by another norm than the total, 1.57306",
+        STEP_2: STEP_WRONG + "-0.0314526, expected -0.0316889",
+        NORM_3: CLIP_A3 + "the norm is 1.10533, expected 1.78757 (all gradients, every rank's shard): that is the norm "
+                          "of this rank's shard only",
         GRADS_3: "clipped by another norm than the total, 1.78757",
-    }, id="clip-with-torch-nn-utils"),
+        STEP_3: STEP_WRONG,
+    }, id="clip-this-ranks-norm-only"),
     pytest.param(CLIP, answers.CLIP_SUMS_NORMS, {
-        NORM_2: "rank 0, case 1 of 1 (max_norm=0.5, batch of 8 split over 2 ranks): the norm is 2.20956, expected "
-                "1.57306 (all gradients, every rank's shard): that is the sum of the ranks' shard norms; norms do "
-                "not add: their squares do",
+        NORM_2: CLIP_A2 + "the norm is 2.20956, expected 1.57306 (all gradients, every rank's shard): that is the sum "
+                          "of the ranks' shard norms; norms do not add: their squares do",
         GRADS_2: "clipped by another norm than the total, 1.57306",
+        STEP_2: STEP_WRONG,
         NORM_3: "the norm is 3.09203, expected 1.78757 (all gradients, every rank's shard): that is the sum of the "
                 "ranks' shard norms",
         GRADS_3: "clipped by another norm than the total, 1.78757",
+        STEP_3: STEP_WRONG,
     }, id="clip-sums-the-norms"),
+    pytest.param(CLIP, answers.CLIP_MAX, {
+        NORM_2: CLIP_A2 + "the norm is 1.2341, expected 1.57306 (all gradients, every rank's shard): that is the "
+                          "largest of the ranks' shard norms (an all-reduce with MAX)",
+        GRADS_2: "clipped by another norm than the total, 1.57306",
+        STEP_2: STEP_WRONG,
+        NORM_3: CLIP_A3 + "the norm is 1.10533, expected 1.78757 (all gradients, every rank's shard): that is the "
+                          "largest of the ranks' shard norms",
+        GRADS_3: "clipped by another norm than the total, 1.78757",
+        STEP_3: STEP_WRONG,
+    }, id="clip-max-of-the-norms"),
+    # Only the cases whose norm is below max_norm fail: the norm itself is right.
+    pytest.param(CLIP, answers.CLIP_ALWAYS_SCALES, {
+        GRADS_2: CLIP_B2 + "this rank's shard of head.weight's gradient (elements 0 to 22) element 0 is 2.45768, "
+                           "expected 0.104748: the norm 2.13103 is below max_norm=50, so the gradients must stay as "
+                           "they are (the factor is at most 1)",
+        STEP_2: CLIP_B2[:-2] + ", " + STEP_WRONG + "-0.0369916, expected -0.0168026",
+        GRADS_3: CLIP_B3 + "this rank's shard of head.weight's gradient (elements 0 to 14) element 0 is 19.7633, "
+                           "expected 0.437913: the norm 2.21578 is below max_norm=100",
+        STEP_3: STEP_WRONG,
+    }, id="clip-scales-up-below-max-norm"),
+    pytest.param(CLIP, answers.CLIP_WITH_TORCH, {
+        item: "rank 0 raised at cell line 7: RuntimeError: torch.nn.utils.clip_grad_norm_ " + REFUSED
+        for item in (NORM_2, GRADS_2, STEP_2, NORM_3, GRADS_3, STEP_3)
+    }, id="clip-with-torch-refused"),
+    pytest.param(CLIP, answers.CLIP_WITH_FSDP, {
+        item: "rank 0 raised at cell line 7: RuntimeError: FullyShardedDataParallel.clip_grad_norm_ " + REFUSED
+        for item in (NORM_2, GRADS_2, STEP_2, NORM_3, GRADS_3, STEP_3)
+    }, id="clip-with-fsdp-refused"),
+    # FSDP1's default state dict is FULL: the file is right, but every rank held the whole model to build it.
+    pytest.param(SAVE, answers.SAVE_DEFAULT, {
+        HOLDS_2: "rank 1, case 1 of 1 (2 SGD steps, 4 rows per rank per step): " + DEFAULT_WHOLE,
+        HOLDS_3: "rank 1, case 1 of 1 (1 SGD step, 2 rows per rank per step): " + DEFAULT_WHOLE,
+    }, id="save-default-state-dict"),
     pytest.param(SAVE, answers.SAVE_EVERY_RANK, {
         RANK_0_ONLY_2: "rank 1, case 1 of 1 (2 SGD steps, 4 rows per rank per step): this rank saved a file holding "
                        "an empty dict: with rank0_only=True only rank 0's state_dict() holds the parameters",
@@ -388,10 +452,10 @@ def test_offload_to_cpu_on_a_cpu_model_is_named_or_works(ranks):
 
 
 HANGS = [
-    # FSDP's clip_grad_norm_ all-reduces the squared norms: rank 1 never calls it.
+    # The squared norms' all-reduce on rank 0 only: rank 1 never calls it.
     pytest.param(CLIP, answers.CLIP_ON_RANK_0_ONLY, [
         "rank 0 is still in your function: it is waiting in all_reduce #1 (4 B, world group)",
-        "rank 1 finished your function and waits in the checker's barrier (world group)"], id="clip-on-rank-0-only"),
+        "rank 1 finished your function and waits in the checker's all_gather (world group)"], id="clip-on-rank-0-only"),
     # state_dict() all-gathers every unit, the root's first (its 45 parameters padded to 46: 23 floats a rank).
     pytest.param(SAVE, answers.SAVE_ON_RANK_0_ONLY, [
         "rank 0 is still in your function: it is waiting in all_gather #1 (92 B, world group)",

@@ -6,7 +6,7 @@ import math
 
 from ...compare import first_difference
 from ...spec import Exercise, Item, RunOutcome, RunSpec
-from .common import ATOL, FSDP1_OPS, FSDP_PRELOAD, RTOL, TOY, draw_batch, draw_weights, toy
+from .common import ATOL, FSDP1_OPS, FSDP_PRELOAD, LR, RTOL, TOY, compare_params, draw_batch, draw_weights, toy
 
 __all__ = ["CLIP", "clip_reference"]
 
@@ -15,7 +15,7 @@ def _toy_case(n: int, weights_seed: int, rows: int, batch_seed: int, extra) -> d
 
     weights = draw_weights(lambda: ToyModel(**TOY), weights_seed)
     inputs, targets = draw_batch(n * rows, TOY["dim"], TOY["out"], batch_seed)
-    return {r: (TOY, weights, inputs[r * rows:(r + 1) * rows], targets[r * rows:(r + 1) * rows], extra)
+    return {r: (TOY, weights, inputs[r * rows:(r + 1) * rows], targets[r * rows:(r + 1) * rows], extra, LR)
             for r in range(n)}
 
 
@@ -26,14 +26,19 @@ def _whole(outcome: RunOutcome, case: int) -> tuple:
             torch.cat([outcome.inputs[case][r][3] for r in range(outcome.nproc)]))
 
 
-def clip_reference(weights: dict, inputs, targets, max_norm: float) -> tuple[float, dict]:
-    """(the gradients' total norm, {name: gradient clipped to max_norm}) of ToyModel on the whole batch, one process."""
+def clip_reference(weights: dict, inputs, targets, max_norm: float, lr: float | None = None) -> tuple:
+    """(the gradients' total norm, {name: gradient clipped to max_norm}) of ToyModel on the whole batch, one
+    process; with `lr`, also {name: parameter} after one SGD(lr) step with those gradients."""
     import torch
 
     model = toy(weights)
     torch.nn.functional.mse_loss(model(inputs), targets).backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    return float(norm), {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    if lr is None:
+        return float(norm), grads
+    torch.optim.SGD(model.parameters(), lr=lr).step()
+    return float(norm), grads, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
 def _clip_label(outcome: RunOutcome, case: int) -> str:
@@ -60,10 +65,13 @@ def _norm_judge(outcome: RunOutcome) -> list[str]:
             if _close(got, expected):
                 continue
             hint = ""
-            if _close(got, local[rank]):
-                hint = (": that is the norm of this rank's shard only (torch.nn.utils.clip_grad_norm_ over "
-                        "model.parameters() sees the local FlatParameter shards); the whole norm covers every rank's "
-                        "shard")
+            agreed = all(isinstance(r.output["norm"], float) and _close(r.output["norm"], got) for r in by_rank.values())
+            if agreed and _close(got, max(local.values())):
+                hint = (": that is the largest of the ranks' shard norms (an all-reduce with MAX); the whole "
+                        "norm adds every rank's squares")
+            elif _close(got, local[rank]):
+                hint = (": that is the norm of this rank's shard only (model.parameters() yields this rank's "
+                        "FlatParameter shards); the whole norm covers every rank's shard")
             elif _close(got, sum(local.values())):
                 hint = (": that is the sum of the ranks' shard norms; norms do not add: their squares "
                         "do")
@@ -92,11 +100,27 @@ def _grads_judge(outcome: RunOutcome) -> list[str]:
                     wrong = first_difference(grad[at:at + last - first], want, rtol=RTOL, atol=ATOL)
                     if wrong:
                         hint = ""
-                        if norm > max_norm and result.output["norm"] != norm:
+                        if norm <= max_norm:
+                            hint = (f": the norm {norm:.6g} is below max_norm={max_norm:g}, so the gradients must "
+                                    "stay as they are (the factor is at most 1)")
+                        elif not (isinstance(result.output["norm"], float) and _close(result.output["norm"], norm)):
                             hint = (f": clipped by another norm than the total, {norm:.6g} (each rank must scale "
                                     f"by max_norm / total norm)")
                         return [f"{where}: this rank's shard of {name}'s gradient (elements {first} to {last - 1}) "
                                 f"{wrong}{hint}"]
+    return []
+
+
+def _step_judge(outcome: RunOutcome) -> list[str]:
+    """An SGD step after clip gives one process's parameters after clipping and the same step."""
+    for case, by_rank in enumerate(outcome.results):
+        weights, max_norm, lr = (outcome.inputs[case][0][i] for i in (1, 4, 5))
+        _, _, expected = clip_reference(weights, *_whole(outcome, case), max_norm, lr)
+        for rank, result in sorted(by_rank.items()):
+            wrong = compare_params(result.output["params"], expected,
+                                   f"rank {rank}, {_clip_label(outcome, case)}, after clipping and an SGD step (lr {lr:g})")
+            if wrong:
+                return [wrong]
     return []
 
 
@@ -108,21 +132,24 @@ CLIP = Exercise(
     allowed_ops=FSDP1_OPS | {"all_reduce"},
     preload=FSDP_PRELOAD,
     runs=(
-        RunSpec(2, lambda n: [_toy_case(n, 43, 4, 143, 0.5)],
-                (Item("returns the total gradient norm on every rank (2 ranks)", 1, _norm_judge),
-                 Item("every rank's gradient shards are clipped by it (2 ranks)", 1, _grads_judge)), timeout_s=10),
+        RunSpec(2, lambda n: [_toy_case(n, 43, 4, 143, 0.5), _toy_case(n, 48, 4, 148, 50.0)],
+                (Item("returns the total gradient norm on every rank (2 ranks, clipped and not)", 1, _norm_judge),
+                 Item("every rank's gradient shards are clipped by it (2 ranks, clipped and not)", 1, _grads_judge),
+                 Item("an SGD step then gives one process's parameters (2 ranks)", 1, _step_judge)), timeout_s=10),
         RunSpec(3, lambda n: [_toy_case(n, 44, 2, 144, 0.3), _toy_case(n, 45, 2, 145, 100.0)],
                 (Item("returns the total gradient norm on every rank (3 ranks, clipped and not)", 1, _norm_judge),
                  Item("every rank's gradient shards are clipped by it (3 ranks, clipped and not)", 1,
-                      _grads_judge)), timeout_s=10),
+                      _grads_judge),
+                 Item("an SGD step then gives one process's parameters (3 ranks)", 1, _step_judge)), timeout_s=10),
     ),
     hints=(
-        "Reread lesson 04, section 11 'Gradient clipping under sharding'.",
-        "FullyShardedDataParallel.clip_grad_norm_ (the root module's method), or by hand "
-        "torch.distributed.all_reduce and Tensor.mul_ on each gradient.",
-        "Each rank sums the squares of its own gradient pieces, the ranks add their sums, and the square root"
-        " is the whole model's norm; every rank then scales its pieces by the same factor, max_norm / (norm +"
-        " 1e-6) when that is below 1.",
+        "Reread lesson 04, section 11 'Gradient clipping under sharding' (what each rank's norm is, and how the"
+        " ranks' norms make the whole one).",
+        "torch.linalg.vector_norm (or Tensor.square and sum) on each local gradient, torch.distributed.all_reduce"
+        " with its default op, and Tensor.mul_.",
+        "The squares of all the model's gradient elements are spread over the ranks, each element on exactly one"
+        " (the padding is zero): each rank adds up its own, one collective adds the ranks' totals, and the square"
+        " root is the norm every rank then knows. Every rank scales its own gradient pieces in place by the same"
+        " factor, which is never above 1.",
     ),
 )
-

@@ -6,6 +6,8 @@ every driver follows: copy the inputs, return plain data).
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 from typing import Callable
 
 import torch
@@ -92,8 +94,10 @@ def fsdp_wrap_policy(fn: Callable, sizes: dict, weights: dict, inputs: torch.Ten
 
 
 def fsdp_flat_shard(fn: Callable, shapes: list) -> dict:
-    """FSDP over one module holding parameters of `shapes` (one unit, one FlatParameter); send back
-    fn(numels, world_size) and what this rank's shard really holds (measure.sharding reads it)."""
+    """FSDP(use_orig_params=True) over one module holding parameters of `shapes` (one unit, one FlatParameter);
+    send back fn(numels, world_size) and what this rank's shard really holds (measure.sharding reads it): its
+    numel, the padding torch appended to it, and the padding inside the unsharded FlatParameter (alignment, and
+    the world-size padding that use_orig_params=True puts there)."""
     import math
 
     import torch.distributed as dist
@@ -103,7 +107,7 @@ def fsdp_flat_shard(fn: Callable, shapes: list) -> dict:
     module = torch.nn.Module()
     for index, shape in enumerate(shapes):
         module.register_parameter(f"p{index}", torch.nn.Parameter(torch.zeros(shape)))
-    flat = sharding_of(_fsdp(module))["flat"][0]
+    flat = sharding_of(_fsdp(module, use_orig_params=True))["flat"][0]
     returned = fn([math.prod(shape) for shape in shapes], dist.get_world_size())
     if isinstance(returned, (list, tuple)) and len(returned) == 2 and \
             all(isinstance(x, int) and not isinstance(x, bool) for x in returned):
@@ -111,6 +115,7 @@ def fsdp_flat_shard(fn: Callable, shapes: list) -> dict:
     else:
         answer = describe(returned) + (f" of {len(returned)}" if isinstance(returned, (list, tuple)) else "")
     return {"answer": answer, "shard_numel": flat["shard_numel"], "padding": flat["padding"],
+            "inside": sum(end - start for name, start, end in flat["layout"] if name is None),
             "unsharded_numel": flat["unsharded_numel"]}
 
 
@@ -128,11 +133,42 @@ def _flat_units(fsdp_model) -> list:
     return flats
 
 
+_BUILT_HERE = (("torch.nn.utils", "clip_grad_norm_"), ("torch.nn.utils", "get_total_norm"),
+               ("torch.nn.utils", "clip_grads_with_norm_"),
+               ("torch.distributed.fsdp", "FullyShardedDataParallel.clip_grad_norm_"))
+
+
+@contextlib.contextmanager
+def _refused_functions():
+    """Each function of _BUILT_HERE raises while inside: the exercise is to build what they do. Their code is
+    swapped (not their names), so a name the learner's cell imported before the call is refused too."""
+    import importlib
+
+    swapped = []
+    for module, name in _BUILT_HERE:
+        found = importlib.import_module(module)
+        for part in name.split("."):
+            found = getattr(found, part)
+        inner = inspect.unwrap(found)
+        scope: dict = {}
+        shown = name if "." in name else f"{module}.{name}"
+        message = f"{shown} is what this exercise asks you to build: it is not allowed here"
+        exec(f"def refuse(*args, **kwargs):\n    raise RuntimeError({message!r})", scope)  # no closure: code swaps
+        swapped.append((inner, inner.__code__))
+        inner.__code__ = scope["refuse"].__code__
+    try:
+        yield
+    finally:
+        for inner, code in swapped:
+            inner.__code__ = code
+
+
 def fsdp_clip(fn: Callable, sizes: dict, weights: dict, inputs: torch.Tensor, targets: torch.Tensor,
-              max_norm: float) -> dict:
+              max_norm: float, lr: float) -> dict:
     """FSDP(ToyModel, one unit per Block) and one backward on this rank's shard of the batch; then
-    fn(fsdp_model, max_norm). Send back what fn returned (a number), this rank's own shard norm before
-    the call and every FlatParameter's gradient shard afterwards."""
+    fn(fsdp_model, max_norm), torch's and FSDP's clipping refused, then one SGD(lr) step. Send back what fn
+    returned (a number), this rank's own shard norm before the call, every FlatParameter's gradient shard
+    after it, and the whole parameters after the step."""
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     from ....models import Block
@@ -140,14 +176,17 @@ def fsdp_clip(fn: Callable, sizes: dict, weights: dict, inputs: torch.Tensor, ta
     fsdp_model = _fsdp(toy_from_weights(sizes, weights), auto_wrap_policy=ModuleWrapPolicy({Block}))
     torch.nn.functional.mse_loss(fsdp_model(inputs), targets).backward()
     local = torch.stack([p.grad.double().square().sum() for p in fsdp_model.parameters()]).sum().sqrt()
-    returned = fn(fsdp_model, max_norm)
+    with _refused_functions():
+        returned = fn(fsdp_model, max_norm)
     if isinstance(returned, torch.Tensor) and returned.numel() == 1:
         norm = float(returned.item())
     elif isinstance(returned, (int, float)) and not isinstance(returned, bool):
         norm = float(returned)
     else:
         norm = describe(returned)
-    return {"norm": norm, "local_norm": float(local), "flats": _flat_units(fsdp_model)}
+    flats = _flat_units(fsdp_model)
+    torch.optim.SGD(fsdp_model.parameters(), lr=lr).step()
+    return {"norm": norm, "local_norm": float(local), "flats": flats, "params": _full_params(fsdp_model)}
 
 
 def _describe_file(path: str) -> dict | None:
@@ -177,7 +216,8 @@ def _describe_file(path: str) -> dict | None:
 def fsdp_save(fn: Callable, sizes: dict, weights: dict, steps: list, lr: float, file_name: str) -> dict:
     """FSDP(ToyModel, one unit per Block) takes one SGD(lr) step per (inputs, targets) of `steps` (this
     rank's shard); then fn(fsdp_model, path), `path` being `file_name` in a folder of this rank's own.
-    Send back what each rank finds at its path right after fn returns."""
+    Send back what each rank finds at its path right after fn returns, and what each state_dict() call on the
+    model gave this rank."""
     import os
 
     import torch.distributed as dist
@@ -190,6 +230,16 @@ def fsdp_save(fn: Callable, sizes: dict, weights: dict, steps: list, lr: float, 
     folder = os.path.join(os.getcwd(), f"rank{dist.get_rank()}")
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, file_name)
+    built = []  # what each state_dict() call gave this rank: its kind and how many entries
+    plain_state_dict = fsdp_model.state_dict
+
+    def state_dict(*args, **kwargs):
+        state = plain_state_dict(*args, **kwargs)
+        kind = getattr(fsdp_model, "_state_dict_type", None)
+        built.append({"type": getattr(kind, "name", str(kind)), "entries": len(state)})
+        return state
+
+    fsdp_model.state_dict = state_dict  # an instance attribute: every model.state_dict() call passes here
     try:
         returned = fn(fsdp_model, path)
     except RuntimeError as exc:
@@ -201,7 +251,9 @@ def fsdp_save(fn: Callable, sizes: dict, weights: dict, steps: list, lr: float, 
         raise RuntimeError(f"{str(exc).splitlines()[0]}: FullStateDictConfig(offload_to_cpu=True) on a model on the "
                            "CPU frees the gathered parameters before they are read (pytorch/pytorch#188989); "
                            "offload only from a GPU (offload_to_cpu=False here)") from exc
-    return {"file": _describe_file(path), "returned": describe(returned)}
+    finally:
+        del fsdp_model.state_dict
+    return {"file": _describe_file(path), "returned": describe(returned), "built": built}
 
 
 def _shapes_model(units: list) -> tuple:

@@ -116,6 +116,19 @@ def _rank_0_only(outcome: RunOutcome) -> list[str]:
     return []
 
 
+def _rank_0_holds_it(outcome: RunOutcome) -> list[str]:
+    """No rank but 0 holds the whole model's state dict: each full state_dict() elsewhere is empty."""
+    for case, by_rank in enumerate(outcome.results):
+        for rank, result in sorted(by_rank.items()):
+            whole = [call for call in result.output["built"] if call["type"] == "FULL_STATE_DICT" and call["entries"]]
+            if rank == 0 or not whole:
+                continue
+            return [f"rank {rank}, {_save_label(outcome, case)}: state_dict() gave this rank the whole model too "
+                    f"({whole[0]['entries']} entries): FSDP1's default full state dict gathers every parameter on "
+                    "every rank, a copy of the model per rank; only rank 0 must keep it"]
+    return []
+
+
 FULL_STATE_DICT = Exercise(
     id="04.full_state_dict",
     function="save_full_state_dict",
@@ -130,10 +143,14 @@ FULL_STATE_DICT = Exercise(
                 (Item("rank 0's file loads into the plain model with strict=True (2 ranks)", 1, _loads),
                  Item("its parameters equal one process's after 2 SGD steps on the whole batch (2 ranks)", 1,
                       _saved_equal),
-                 Item("no other rank writes a file (2 ranks)", 1, _rank_0_only)), timeout_s=10),
+                 Item("no other rank writes a file (2 ranks)", 1, _rank_0_only),
+                 Item("no other rank holds the whole model's state dict (2 ranks)", 1, _rank_0_holds_it)),
+                timeout_s=10),
         RunSpec(3, lambda n: [_save_case(n, 47, 1, 2, 147, 1)],
                 (Item("its parameters equal one process's after 1 SGD step on the whole batch (3 ranks)", 1,
-                      _saved_equal),), timeout_s=10),
+                      _saved_equal),
+                 Item("no other rank holds the whole model's state dict (3 ranks)", 1, _rank_0_holds_it)),
+                timeout_s=10),
     ),
     hints=(
         "Reread lesson 04, section 9 'State dicts' (the FULL kind, rank0_only, and who must call "
