@@ -249,5 +249,8 @@ def simulate_table(models=("llama-7b", "llama-70b"), world_sizes=(8, 64, 1024), 
     """Rows of `result_rows` for every model at every world size (see `simulate_many`)."""
     jobs = [dict(config=model, world_size=n, ranks=ranks, precision=precision, optimizer=optimizer)
             for model in models for n in world_sizes]
+    # The cell shows nothing else until the table: say what runs and for about how long (bench/bench_simulate.py).
+    print(f"simulating {len(jobs)} configurations, each in a process of its own: about a minute on 2 cores ...",
+          flush=True)
     results = simulate_many(jobs, processes=processes, timeout_s=timeout_s)
     return [row for result in results for row in result_rows(result)]
