@@ -72,5 +72,22 @@ def test_notebooks_target_keeps_the_widget_state_nbconvert_stores():
     from nbclient import NotebookClient
 
     recipe = re.search(r"^notebooks:.*\n((?:\t.*\n)+)", MAKEFILE, re.M).group(1)
-    assert "nbconvert" in recipe and "'widgets'" not in recipe and "store_widget_state" not in recipe
+    assert "nbconvert" in recipe and "store_widget_state" not in recipe
     assert NotebookClient.store_widget_state.default_value is True  # nbconvert's ExecutePreprocessor is one
+
+
+def test_notebooks_target_drops_widget_state_only_from_a_notebook_that_shows_no_widget(tmp_path):
+    """The recipe's clean-up (after nbconvert) keeps a shown widget's state and drops state nothing shows."""
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook, new_output
+
+    recipe = re.search(r"^notebooks:.*\n((?:\t.*\n)+)", MAKEFILE, re.M).group(1)
+    code = re.search(r'python -c "(.*?)" "\$\$nb"', recipe.replace("\\\n\t", " "), re.S).group(1)
+    state = {"application/vnd.jupyter.widget-state+json": {"state": {"m1": {}}, "version_major": 2}}
+    view = new_output("display_data", data={"application/vnd.jupyter.widget-view+json": {"model_id": "m1"},
+                                            "text/plain": "w"})
+    for name, outputs, kept in (("shows.ipynb", [view], True), ("none.ipynb", [], False)):
+        path = tmp_path / name
+        nbformat.write(new_notebook(cells=[new_code_cell("x", outputs=outputs)], metadata={"widgets": state}), path)
+        subprocess.run([sys.executable, "-c", code.replace("$$", "$"), str(path)], check=True)
+        assert ("widgets" in nbformat.read(path, as_version=4).metadata) is kept, name

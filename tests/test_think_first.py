@@ -178,7 +178,7 @@ def test_a_reveal_refuses_before_its_run_and_when_torch_disagrees_with_the_formu
 
 
 def test_the_reveal_magic_reads_the_learners_variable_and_says_bad_input_in_one_line(monkeypatch, capsys):
-    from IPython.core.interactiveshell import InteractiveShell
+    import types
 
     import course_lib.magics.reveal_magic as magic_module
     from course_lib.magics.reveal_magic import RevealMagics, RevealUsageError
@@ -186,17 +186,17 @@ def test_the_reveal_magic_reads_the_learners_variable_and_says_bad_input_in_one_
     results, ledgers = _fake(monkeypatch)
     monkeypatch.setattr(magic_module, "results", results)
     monkeypatch.setattr(magic_module, "ledgers", ledgers)
-    shell = InteractiveShell.instance()
-    magics = RevealMagics(shell)
-    shell.user_ns["my_prediction"] = None
-    magics.reveal_line("99.bytes")
+    # The magic's method with a stand-in for the kernel's shell: a real InteractiveShell would stay this
+    # process's singleton and change how display() behaves in the tests that run after this one.
+    magics = types.SimpleNamespace(shell=types.SimpleNamespace(user_ns={"my_prediction": None}))
+    RevealMagics.reveal_line(magics, "99.bytes")
     assert capsys.readouterr().out.strip() == write_first("my_prediction")
-    shell.user_ns["my_bytes"] = 12
-    magics.reveal_line("99.bytes my_bytes")
+    magics.shell.user_ns["my_bytes"] = 12
+    RevealMagics.reveal_line(magics, "99.bytes my_bytes")
     assert "you predicted 12 B; measured 12 B" in capsys.readouterr().out
     for line, says in (("", "usage: %reveal"), ("99.nope", "no prediction '99.nope'")):
         with pytest.raises(RevealUsageError, match=says) as raised:
-            magics.reveal_line(line)
+            RevealMagics.reveal_line(magics, line)
         assert len(raised.value._render_traceback_()) == 1
 
 
