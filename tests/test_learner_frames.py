@@ -120,6 +120,8 @@ dist.all_reduce(torch.ones(2))
 ALL_REDUCE_CELL_LINE = 8  # line 7 of the script; the %%torchrun line is line 1
 CONSEQUENCE = ("rank 0's error is a consequence of rank 1 exiting first: its all_reduce #1 (8 B, world group) "
                'found a peer gone ("Connection closed by peer")')
+# gloo says "closed" or "reset" depending on which side of the socket notices first (a race, seen in CI).
+CONSEQUENCE_EITHER = {CONSEQUENCE, CONSEQUENCE.replace("closed by peer", "reset by peer")}
 
 
 @pytest.fixture(scope="module")
@@ -139,11 +141,11 @@ def test_the_rank_that_raised_is_named_and_the_peers_gloo_error_is_a_consequence
     assert result.exit_codes[0] == 1 and result.exit_codes[1] in (1, -15), result.exit_codes
     out, err, failure = _prints_of(result)
     assert failure.startswith("rank 1 failed with ") and failure.endswith(": ValueError: rank 1 gives up"), failure
-    assert CONSEQUENCE in out.splitlines(), out
+    assert CONSEQUENCE_EITHER & set(out.splitlines()), out
     assert err.startswith("[rank 1] Traceback (most recent call last):\n")  # the cause first
     rank0 = [line for line in err.splitlines() if line.startswith("[rank 0] ")]
     assert f'[rank 0]   File "<cell>", line {ALL_REDUCE_CELL_LINE}, in <module>' in rank0
-    assert "Connection closed by peer" in rank0[-1]
+    assert "Connection closed by peer" in rank0[-1] or "Connection reset by peer" in rank0[-1], rank0[-1]
     assert "course_lib" not in err  # neither the ledger's wrapper nor the cell hook
     assert rank_raises.leftovers == []
 
@@ -156,7 +158,7 @@ def test_a_rank_that_exited_0_is_named_for_its_peers_gloo_error(rank_exits_0):
     assert result.ledgers[1] == []
     out, err, failure = _prints_of(result)
     assert failure.startswith("rank 0 failed with exit code 1: RuntimeError: "), failure
-    assert CONSEQUENCE in out.splitlines(), out
+    assert CONSEQUENCE_EITHER & set(out.splitlines()), out
     assert "ledger.py" not in err
     assert rank_exits_0.leftovers == []
 
