@@ -13,10 +13,12 @@ Each lesson's drivers live beside its judges, in `lessons/lessonNN/drivers.py`;
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import inspect
 from typing import Any, Callable
 
-__all__ = ["describe", "driver_for", "drivers_module"]
+__all__ = ["describe", "driver_for", "drivers_module", "refused"]
 
 
 def describe(value: Any) -> str:
@@ -32,3 +34,33 @@ def drivers_module(exercise_id: str) -> str:
 def driver_for(exercise_id: str, name: str) -> Callable[..., Any]:
     """The driver function `name` of `exercise_id`'s lesson (imported on first use)."""
     return getattr(importlib.import_module(drivers_module(exercise_id)), name)
+
+
+@contextlib.contextmanager
+def refused(*targets: tuple[str, str, str]):
+    """While inside, each (module, dotted name, name shown) raises a one-line RuntimeError: the exercise is to
+    build what it does. A class's `__init__` is replaced; a function's code is swapped (not its name), so a
+    name the learner's cell imported before the call is refused too. Everything is put back on the way out."""
+    undo = []
+    for module, name, shown in targets:
+        found = importlib.import_module(module)
+        for part in name.split("."):
+            found = getattr(found, part)
+        message = f"{shown} is what this exercise asks you to build: it is not allowed here"
+        scope: dict = {}
+        exec(f"def refuse(*args, **kwargs):\n    raise RuntimeError({message!r})", scope)  # no closure: code swaps
+        if inspect.isclass(found):
+            undo.append((found, "__init__", found.__dict__.get("__init__")))
+            found.__init__ = scope["refuse"]
+        else:
+            inner = inspect.unwrap(found)
+            undo.append((inner, "__code__", inner.__code__))
+            inner.__code__ = scope["refuse"].__code__
+    try:
+        yield
+    finally:
+        for owner, attribute, original in reversed(undo):
+            if original is None:
+                delattr(owner, attribute)
+            else:
+                setattr(owner, attribute, original)

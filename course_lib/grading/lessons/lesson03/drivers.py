@@ -6,13 +6,12 @@ every driver follows: copy the inputs, return plain data).
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from typing import Callable
 
 import torch
 
-from ...drivers import describe
+from ...drivers import describe, refused
 from ..lesson02.drivers import _copies, mlp_from_weights
 
 __all__ = ['ddp_join_training', 'counting_joinable', 'zero_save', 'zero1_by_hand']
@@ -172,31 +171,14 @@ def zero_save(fn: Callable, weights: list, steps: list, saved_after: int, lr: fl
             "load_error": load_error}
 
 
-@contextlib.contextmanager
-def _refused(cls: type):
-    """`cls(...)` raises while inside: the exercise is to build what `cls` does, not to call it."""
-    original = cls.__init__
-
-    def refuse(self, *args, **kwargs):
-        raise RuntimeError(f"{cls.__name__} is what this exercise asks you to build: it is not allowed here")
-
-    cls.__init__ = refuse
-    try:
-        yield
-    finally:
-        cls.__init__ = original
-
-
 def zero1_by_hand(fn: Callable, weights: list, steps: list, optimizer_name: str, defaults: dict) -> dict:
     """`fn` is the learner's ShardedOptimizer class: optimizer = fn(model.parameters(), torch.optim.<name>,
     **defaults) over a plain model; one step per (inputs, targets) of `steps` (this rank's rows), each
     zero_grad(), backward of mse_loss, step(). Send back the parameters, the bytes of the tensors in
     optimizer.optim.state, and which parameters (by index) optimizer.optim holds."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
     model = mlp_from_weights(weights)
     cls = inspect.unwrap(fn)
-    with fn.learner_code(), _refused(ZeroRedundancyOptimizer):
+    with fn.learner_code(), refused(("torch.distributed.optim", "ZeroRedundancyOptimizer", "ZeroRedundancyOptimizer")):
         optimizer = cls(model.parameters(), getattr(torch.optim, optimizer_name), **defaults)
         for inputs, targets in steps:
             optimizer.zero_grad()

@@ -6,13 +6,11 @@ every driver follows: copy the inputs, return plain data).
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 from typing import Callable
 
 import torch
 
-from ...drivers import describe
+from ...drivers import describe, refused
 
 __all__ = ['wrap_model', 'toy_from_weights', 'fsdp_wrap_policy', 'fsdp_flat_shard', 'fsdp_clip', 'fsdp_save', 'fsdp_memory']
 
@@ -133,34 +131,12 @@ def _flat_units(fsdp_model) -> list:
     return flats
 
 
-_BUILT_HERE = (("torch.nn.utils", "clip_grad_norm_"), ("torch.nn.utils", "get_total_norm"),
-               ("torch.nn.utils", "clip_grads_with_norm_"),
-               ("torch.distributed.fsdp", "FullyShardedDataParallel.clip_grad_norm_"))
-
-
-@contextlib.contextmanager
-def _refused_functions():
-    """Each function of _BUILT_HERE raises while inside: the exercise is to build what they do. Their code is
-    swapped (not their names), so a name the learner's cell imported before the call is refused too."""
-    import importlib
-
-    swapped = []
-    for module, name in _BUILT_HERE:
-        found = importlib.import_module(module)
-        for part in name.split("."):
-            found = getattr(found, part)
-        inner = inspect.unwrap(found)
-        scope: dict = {}
-        shown = name if "." in name else f"{module}.{name}"
-        message = f"{shown} is what this exercise asks you to build: it is not allowed here"
-        exec(f"def refuse(*args, **kwargs):\n    raise RuntimeError({message!r})", scope)  # no closure: code swaps
-        swapped.append((inner, inner.__code__))
-        inner.__code__ = scope["refuse"].__code__
-    try:
-        yield
-    finally:
-        for inner, code in swapped:
-            inner.__code__ = code
+# What 04.clip_grad_norm asks the learner to build: refused while the learner's function runs.
+_BUILT_HERE = (("torch.nn.utils", "clip_grad_norm_", "torch.nn.utils.clip_grad_norm_"),
+               ("torch.nn.utils", "get_total_norm", "torch.nn.utils.get_total_norm"),
+               ("torch.nn.utils", "clip_grads_with_norm_", "torch.nn.utils.clip_grads_with_norm_"),
+               ("torch.distributed.fsdp", "FullyShardedDataParallel.clip_grad_norm_",
+                "FullyShardedDataParallel.clip_grad_norm_"))
 
 
 def fsdp_clip(fn: Callable, sizes: dict, weights: dict, inputs: torch.Tensor, targets: torch.Tensor,
@@ -176,7 +152,7 @@ def fsdp_clip(fn: Callable, sizes: dict, weights: dict, inputs: torch.Tensor, ta
     fsdp_model = _fsdp(toy_from_weights(sizes, weights), auto_wrap_policy=ModuleWrapPolicy({Block}))
     torch.nn.functional.mse_loss(fsdp_model(inputs), targets).backward()
     local = torch.stack([p.grad.double().square().sum() for p in fsdp_model.parameters()]).sum().sqrt()
-    with _refused_functions():
+    with refused(*_BUILT_HERE):
         returned = fn(fsdp_model, max_norm)
     if isinstance(returned, torch.Tensor) and returned.numel() == 1:
         norm = float(returned.item())
