@@ -6,8 +6,8 @@ Run it from the repository root. Goal (issue 12): <= 8 s per submission of
 lesson 01 (11 checks in 5 runs on 2, 3 and 4 ranks). Each round grades the same
 folder of submissions as an instructor would, `python -m course_lib.grade
 FOLDER --force`, once per `--jobs` value, in a new random order every round.
-The folder holds copies of solutions/01_process_groups.ipynb (full marks) and,
-one in four, of exercises/01_process_groups.ipynb (the unfinished stubs: every
+The folder holds copies of solutions/01_process_groups_solutions.ipynb (full marks) and,
+one in four, of exercises/01_process_groups_exercises.ipynb (the unfinished stubs: every
 run fails, so the grader restarts its ranks after each). Times are wall clock
 for the whole command, so they include starting the grader (importing torch
 twice: the grader and the server its ranks are forked from).
@@ -26,8 +26,8 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SOLUTION = ROOT / "solutions" / "01_process_groups.ipynb"
-STUBS = ROOT / "exercises" / "01_process_groups.ipynb"
+SOLUTION = ROOT / "solutions" / "01_process_groups_solutions.ipynb"
+STUBS = ROOT / "exercises" / "01_process_groups_exercises.ipynb"
 
 
 def _class_folder(folder: pathlib.Path, count: int) -> None:

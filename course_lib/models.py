@@ -11,13 +11,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["Block", "ToyModel", "toy_batch", "toy_model"]
+__all__ = ["Block", "ToyModel", "make_batch", "make_batches", "make_mlp", "make_model", "toy_batch", "toy_model"]
 
 
 class Block(nn.Module):
     """Linear(dim, hidden) -> ReLU -> Linear(hidden, dim), with a residual: a transformer MLP in miniature."""
 
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int = 16, hidden: int = 32):
         super().__init__()
         self.up = nn.Linear(dim, hidden)
         self.down = nn.Linear(hidden, dim)
@@ -50,3 +50,37 @@ def toy_batch(batch: int = 4, *, dim: int = 8, out: int = 5, seed: int = 1) -> t
     """A synthetic (inputs, targets) pair for `ToyModel`, drawn from `seed`."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(batch, dim, generator=generator), torch.randn(batch, out, generator=generator)
+
+
+# --- the lessons' models: one definition each, imported by every %%torchrun cell ----------------------
+# `print(inspect.getsource(make_model))` in a cell shows the code; every function seeds itself, so the
+# single-process reference and each rank build the same weights.
+
+
+def make_mlp() -> nn.Sequential:
+    """Lesson 03's model: Linear(8, 16) -> ReLU -> Linear(16, 4), weights from seed 0."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def make_batches(rank: int, count: int, size: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Lesson 03's data: rank `rank`'s first `count` (inputs, targets) batches, the same in every process that asks."""
+    generator = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randn(size, 8, generator=generator), torch.randn(size, 4, generator=generator))
+            for _ in range(count)]
+
+
+def make_model() -> nn.Sequential:
+    """Lessons 04-05's model: Linear(8, 16), two residual `Block(16, 32)`s, Linear(16, 4); weights from seed 0.
+
+    The Blocks are the units FSDP wraps (a transformer layer, in small); names are `0.weight`,
+    `1.up.weight`, ..., `3.bias`.
+    """
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), Block(16, 32), Block(16, 32), nn.Linear(16, 4))
+
+
+def make_batch(n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lessons 04-05's data: `n` (inputs, targets) rows from seed 1; ranks take their rows of it."""
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(n, 8, generator=generator), torch.randn(n, 4, generator=generator)

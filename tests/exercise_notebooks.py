@@ -11,9 +11,16 @@ import nbformat
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def notebook_path(folder: str, notebook: str) -> pathlib.Path:
+    """`solutions/NN_topic_solutions.ipynb` or `exercises/NN_topic_exercises.ipynb` from ("solutions", "NN_topic.ipynb"):
+    the folder's suffix keeps a lesson and its exercises apart in JupyterLab's tabs."""
+    stem = notebook.removesuffix(".ipynb")
+    return ROOT / folder / f"{stem}_{folder}.ipynb"
+
+
 def markdown_cells(folder: str, notebook: str) -> list[str]:
     """The markdown cells of `folder/notebook` ("solutions" or "exercises"), in order."""
-    nb = nbformat.read(ROOT / folder / notebook, as_version=4)
+    nb = nbformat.read(notebook_path(folder, notebook), as_version=4)
     return [cell.source for cell in nb.cells if cell.cell_type == "markdown"]
 
 

@@ -1,4 +1,4 @@
-"""Answer cells for the grader's tests: the solutions (as in solutions/01_process_groups.ipynb)
+"""Answer cells for the grader's tests: the solutions (as in solutions/01_process_groups_solutions.ipynb)
 and plausible wrong answers, each of which must lose exactly the points its mistake deserves."""
 
 RING_SOLUTION = '''%%exercise 01.ring_allreduce

@@ -1,4 +1,4 @@
-"""Answer cells for lesson 02's grader tests: the solutions (as in solutions/02_ddp.ipynb) and
+"""Answer cells for lesson 02's grader tests: the solutions (as in solutions/02_ddp_solutions.ipynb) and
 plausible wrong answers, each of which must lose exactly the points its mistake deserves."""
 
 BUCKETED_SOLUTION = '''%%exercise 02.bucketed_allreduce

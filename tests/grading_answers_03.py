@@ -1,4 +1,4 @@
-"""Answer cells for lesson 03's grader tests: the solutions (as in solutions/03_join.ipynb) and
+"""Answer cells for lesson 03's grader tests: the solutions (as in solutions/03_join_solutions.ipynb) and
 plausible wrong answers, each of which must lose exactly the points its mistake deserves."""
 
 JOIN_SOLUTION = '''%%exercise 03.join_uneven_training

@@ -1,4 +1,4 @@
-"""Answer cells for lesson 04's grader tests: the solutions (as in solutions/04_fsdp1.ipynb) and
+"""Answer cells for lesson 04's grader tests: the solutions (as in solutions/04_fsdp1_solutions.ipynb) and
 plausible wrong answers, each of which must lose exactly the points its mistake deserves."""
 
 POLICY_SOLUTION = '''%%exercise 04.wrap_policy

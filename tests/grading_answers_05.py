@@ -1,4 +1,4 @@
-"""Answer cells for lesson 05's grader tests: the solutions (as in solutions/05_fsdp2.ipynb) and
+"""Answer cells for lesson 05's grader tests: the solutions (as in solutions/05_fsdp2_solutions.ipynb) and
 plausible wrong answers, each of which must lose exactly the points its mistake deserves."""
 
 SHARD_SOLUTION = '''%%exercise 05.shard_bottom_up

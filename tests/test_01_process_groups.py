@@ -13,7 +13,7 @@ import pytest
 
 import grading_answers as answers
 from exercise_checks import assert_full_marks, assert_stub_scores_zero_with_its_first_hint_once, failed_items
-from exercise_notebooks import exercise_sections, markdown_cells
+from exercise_notebooks import notebook_path, exercise_sections, markdown_cells
 from test_magic_kernel import Kernel
 from course_lib.grading.cells import EXERCISE_ID, exercise_cells
 from course_lib.grading.checker import Limits, check_exercise
@@ -21,8 +21,8 @@ from course_lib.grading.registry import exercise, exercises_of_lesson
 from course_lib.grading.report import hint_line, item_line
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SOLUTIONS = exercise_cells(nbformat.read(ROOT / "solutions" / "01_process_groups.ipynb", as_version=4))
-STUBS = exercise_cells(nbformat.read(ROOT / "exercises" / "01_process_groups.ipynb", as_version=4))
+SOLUTIONS = exercise_cells(nbformat.read(notebook_path("solutions", "01_process_groups.ipynb"), as_version=4))
+STUBS = exercise_cells(nbformat.read(notebook_path("exercises", "01_process_groups.ipynb"), as_version=4))
 IDS = exercises_of_lesson("01")
 
 
@@ -37,7 +37,7 @@ def _sections(notebook: str) -> dict[str, str]:
 @pytest.mark.parametrize("notebook", ["solutions", "exercises"])
 def test_the_notebook_lists_exactly_the_exercises_graded(notebook):
     assert IDS == ["01.ring_allreduce", "01.allgather_from_broadcast", "01.grid_groups"]
-    cells = exercise_cells(nbformat.read(ROOT / notebook / "01_process_groups.ipynb", as_version=4))
+    cells = exercise_cells(nbformat.read(notebook_path(notebook, "01_process_groups.ipynb"), as_version=4))
     assert list(cells) == IDS  # the %%exercise cells, in the registry's order
     markdown = "\n".join(_markdown(notebook))
     assert re.findall(r"^\d+\. `(\S+)`", markdown, re.M) == IDS  # the list under Goal

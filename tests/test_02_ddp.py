@@ -17,7 +17,7 @@ import pytest
 
 import grading_answers_02 as answers
 from exercise_checks import assert_full_marks, assert_stub_scores_zero_with_its_first_hint_once, failed_items
-from exercise_notebooks import exercise_sections, markdown_cells
+from exercise_notebooks import notebook_path, exercise_sections, markdown_cells
 from course_lib.grading.cells import EXERCISE_ID, exercise_cells
 from course_lib.grading.checker import check_exercise, preload_for, rank_set_for
 from course_lib.grading.lessons.lesson02.ddp_from_scratch import CAPS, MICRO_ROWS, ROWS, ready_order
@@ -28,8 +28,8 @@ from course_lib.units import binary_bytes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK = "02_ddp.ipynb"
-SOLUTIONS = exercise_cells(nbformat.read(ROOT / "solutions" / NOTEBOOK, as_version=4))
-STUBS = exercise_cells(nbformat.read(ROOT / "exercises" / NOTEBOOK, as_version=4))
+SOLUTIONS = exercise_cells(nbformat.read(notebook_path("solutions", NOTEBOOK), as_version=4))
+STUBS = exercise_cells(nbformat.read(notebook_path("exercises", NOTEBOOK), as_version=4))
 IDS = exercises_of_lesson("02")
 
 
@@ -51,7 +51,7 @@ def _sections(notebook: str) -> dict[str, str]:
 def test_the_notebook_lists_exactly_the_exercises_graded(notebook):
     assert IDS == ["02.bucketed_allreduce", "02.no_sync_accumulation", "02.fp16_compress_hook",
                    "02.ddp_from_scratch"]
-    cells = exercise_cells(nbformat.read(ROOT / notebook / NOTEBOOK, as_version=4))
+    cells = exercise_cells(nbformat.read(notebook_path(notebook, NOTEBOOK), as_version=4))
     assert list(cells) == IDS  # the %%exercise cells, in the registry's order
     markdown = "\n".join(_markdown(notebook))
     assert re.findall(r"^\d+\. `(\S+)`", markdown, re.M) == IDS  # the list under Goal

@@ -20,7 +20,7 @@ import pytest
 import grading_answers_03 as answers
 from exercise_checks import (
     assert_full_marks, assert_hang_is_named, assert_stub_scores_zero_with_its_first_hint_once, failed_items)
-from exercise_notebooks import exercise_sections, markdown_cells
+from exercise_notebooks import notebook_path, exercise_sections, markdown_cells
 from course_lib.grading.cells import EXERCISE_ID, exercise_cells
 from course_lib.grading.checker import check_exercise, preload_for, rank_set_for
 from course_lib.grading.lessons.lesson02.exercises import ATOL, RTOL, _batch, _sgd_step, _weights
@@ -31,8 +31,8 @@ from course_lib.grading.report import item_line
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK = "03_join.ipynb"
-SOLUTIONS = exercise_cells(nbformat.read(ROOT / "solutions" / NOTEBOOK, as_version=4))
-STUBS = exercise_cells(nbformat.read(ROOT / "exercises" / NOTEBOOK, as_version=4))
+SOLUTIONS = exercise_cells(nbformat.read(notebook_path("solutions", NOTEBOOK), as_version=4))
+STUBS = exercise_cells(nbformat.read(notebook_path("exercises", NOTEBOOK), as_version=4))
 IDS = exercises_of_lesson("03")
 JOIN, COUNTER, ZERO, ZERO1 = IDS
 HANG_S = 4  # the deadline of a run that hangs: long enough for the steps before the hang
@@ -55,7 +55,7 @@ def _sections(notebook: str) -> dict[str, str]:
 @pytest.mark.parametrize("notebook", ["solutions", "exercises"])
 def test_the_notebook_lists_exactly_the_exercises_graded(notebook):
     assert IDS == ["03.join_uneven_training", "03.counting_joinable", "03.zero_consolidate_save", "03.zero1_by_hand"]
-    cells = exercise_cells(nbformat.read(ROOT / notebook / NOTEBOOK, as_version=4))
+    cells = exercise_cells(nbformat.read(notebook_path(notebook, NOTEBOOK), as_version=4))
     assert list(cells) == IDS  # the %%exercise cells, in the registry's order
     markdown = "\n".join(_markdown(notebook))
     assert re.findall(r"^\d+\. `(\S+)`", markdown, re.M) == IDS  # the list under Goal

@@ -21,7 +21,7 @@ import pytest
 import grading_answers_04 as answers
 from exercise_checks import (
     assert_full_marks, assert_hang_is_named, assert_stub_scores_zero_with_its_first_hint_once, failed_items)
-from exercise_notebooks import exercise_sections, markdown_cells
+from exercise_notebooks import notebook_path, exercise_sections, markdown_cells
 from course_lib import theory
 from course_lib.grading.cells import EXERCISE_ID, exercise_cells
 from course_lib.grading.checker import check_exercise, preload_for, rank_set_for
@@ -37,8 +37,8 @@ from course_lib.grading.report import item_line
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK = "04_fsdp1.ipynb"
-SOLUTIONS = exercise_cells(nbformat.read(ROOT / "solutions" / NOTEBOOK, as_version=4))
-STUBS = exercise_cells(nbformat.read(ROOT / "exercises" / NOTEBOOK, as_version=4))
+SOLUTIONS = exercise_cells(nbformat.read(notebook_path("solutions", NOTEBOOK), as_version=4))
+STUBS = exercise_cells(nbformat.read(notebook_path("exercises", NOTEBOOK), as_version=4))
 IDS = exercises_of_lesson("04")
 POLICY, SHARD, CLIP, SAVE, MEMORY = IDS
 HANG_S = 4  # the deadline of a run that hangs: long enough for the FSDP training before the hang
@@ -62,7 +62,7 @@ def _sections(notebook: str) -> dict[str, str]:
 def test_the_notebook_lists_exactly_the_exercises_graded(notebook):
     assert IDS == ["04.wrap_policy", "04.flat_shard_numel", "04.clip_grad_norm", "04.full_state_dict",
                    "04.memory_per_rank"]
-    cells = exercise_cells(nbformat.read(ROOT / notebook / NOTEBOOK, as_version=4))
+    cells = exercise_cells(nbformat.read(notebook_path(notebook, NOTEBOOK), as_version=4))
     assert list(cells) == IDS  # the %%exercise cells, in the registry's order
     markdown = "\n".join(_markdown(notebook))
     assert re.findall(r"^\d+\. `(\S+)`", markdown, re.M) == IDS  # the list under Goal

@@ -21,7 +21,7 @@ import torch
 import grading_answers_05 as answers
 from exercise_checks import (
     assert_full_marks, assert_hang_is_named, assert_stub_scores_zero_with_its_first_hint_once, failed_items)
-from exercise_notebooks import exercise_sections, markdown_cells
+from exercise_notebooks import notebook_path, exercise_sections, markdown_cells
 from course_lib import theory
 from course_lib.grading.cells import EXERCISE_ID, exercise_cells
 from course_lib.grading.checker import check_exercise, preload_for, rank_set_for
@@ -33,8 +33,8 @@ from course_lib.vocabulary import canonical_op
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK = "05_fsdp2.ipynb"
-SOLUTIONS = exercise_cells(nbformat.read(ROOT / "solutions" / NOTEBOOK, as_version=4))
-STUBS = exercise_cells(nbformat.read(ROOT / "exercises" / NOTEBOOK, as_version=4))
+SOLUTIONS = exercise_cells(nbformat.read(notebook_path("solutions", NOTEBOOK), as_version=4))
+STUBS = exercise_cells(nbformat.read(notebook_path("exercises", NOTEBOOK), as_version=4))
 IDS = exercises_of_lesson("05")
 SHARD, ZERO3, ACCUMULATE, META, HSDP = IDS
 HANG_S = 4  # the deadline of a run that hangs: long enough for the sharding and the checker's reference
@@ -53,7 +53,7 @@ def _rows(count: int) -> str:
 @pytest.mark.parametrize("notebook", ["solutions", "exercises"])
 def test_the_notebook_lists_exactly_the_exercises_graded(notebook):
     assert IDS == ["05.shard_bottom_up", "05.zero3_linear", "05.accumulate", "05.meta_init_broadcast", "05.hsdp_mesh"]
-    cells = exercise_cells(nbformat.read(ROOT / notebook / NOTEBOOK, as_version=4))
+    cells = exercise_cells(nbformat.read(notebook_path(notebook, NOTEBOOK), as_version=4))
     assert list(cells) == IDS  # the %%exercise cells, in the registry's order
     markdown = "\n".join(markdown_cells(notebook, NOTEBOOK))
     assert re.findall(r"^\d+\. `(\S+)`", markdown, re.M) == IDS  # the list under Goal

@@ -269,3 +269,16 @@ def test_bad_markers_exit_2_with_one_line_on_stderr(tmp_path, capsys):
 def test_committed_exercises_match_solutions():
     stale = generate_all(REPO_ROOT / "solutions", REPO_ROOT / "exercises", check=True)
     assert stale == [], f"exercises/ is out of date for {stale}: run make exercises"
+
+
+def test_a_solutions_notebook_writes_an_exercises_notebook_of_another_name(tmp_path):
+    from course_lib.grading.authoring import exercise_name
+
+    assert exercise_name("05_fsdp2_solutions.ipynb") == "05_fsdp2_exercises.ipynb"
+    solutions, exercises = tmp_path / "solutions", tmp_path / "exercises"
+    solutions.mkdir()
+    exercises.mkdir()
+    _write_solution(solutions, name="01_ring_solutions.ipynb")
+    assert generate_all(solutions, exercises) == ["01_ring_exercises.ipynb"]
+    assert sorted(p.name for p in exercises.iterdir()) == ["01_ring_exercises.ipynb"]
+    assert generate_all(solutions, exercises, check=True) == []

@@ -21,7 +21,7 @@ from proc_helpers import MARK_VAR, describe, kill_quietly, marked_processes, new
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # the CLI in subprocesses, submissions that hang to their deadlines
-EXERCISES = ROOT / "exercises" / "01_process_groups.ipynb"
+EXERCISES = ROOT / "exercises" / "01_process_groups_exercises.ipynb"
 RING = "01.ring_allreduce"
 RUN_TIMEOUT_S = 6  # a healthy run takes under 1 s here (ranks are started before its deadline counts)
 RING_POINTS = 4

@@ -22,7 +22,7 @@ from course_lib.grading.registry import exercise, exercises_of_lesson
 from course_lib.grading.report import item_line
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SOLUTIONS = exercise_cells(nbformat.read(ROOT / "solutions" / "01_process_groups.ipynb", as_version=4))
+SOLUTIONS = exercise_cells(nbformat.read(ROOT / "solutions" / "01_process_groups_solutions.ipynb", as_version=4))
 
 # Right on 4 ranks, raises on 2: the ring exercise runs 2 ranks first, then 4.
 RAISES_ON_TWO_RANKS = answers.RING_SOLUTION.replace(

@@ -208,11 +208,19 @@ def _shown(path: Path) -> str:
         return str(path)
 
 
+def exercise_name(solution_name: str) -> str:
+    """`NN_topic_solutions.ipynb` -> `NN_topic_exercises.ipynb`: distinct names, so a lesson
+    (`NN_topic.ipynb`), its exercises and its solutions never share a JupyterLab tab title."""
+    stem = solution_name.removesuffix(".ipynb")
+    return f"{stem.removesuffix('_solutions')}_exercises.ipynb" if stem.endswith("_solutions") else solution_name
+
+
 def generate_all(solutions_dir: Path | str, exercises_dir: Path | str, *,
                  check: bool = False) -> list[str]:
     """Regenerate `exercises_dir/NN_*.ipynb` from `solutions_dir/NN_*.ipynb`.
 
-    Returns the file names whose exercise notebook differed from the generated
+    Each `NN_topic_solutions.ipynb` writes `NN_topic_exercises.ipynb` (`exercise_name`).
+    Returns the exercise file names whose notebook differed from the generated
     one (missing, stale, or without a solution). With `check=True` nothing is
     written; otherwise stale ones are rewritten and ones without a solution removed.
     """
@@ -222,15 +230,15 @@ def generate_all(solutions_dir: Path | str, exercises_dir: Path | str, *,
     for source in sources:
         exercise = exercise_from_solution(nbformat.read(source, as_version=4), name=_shown(source))
         nbformat.validate(exercise)
-        target = exercises_dir / source.name
+        target = exercises_dir / exercise_name(source.name)
         text = _notebook_text(exercise)
         if target.is_file() and target.read_text(encoding="utf-8") == text:
             continue
-        differing.append(source.name)
+        differing.append(target.name)
         if not check:
             exercises_dir.mkdir(parents=True, exist_ok=True)
             nbformat.write(exercise, target)
-    names = {source.name for source in sources}
+    names = {exercise_name(source.name) for source in sources}
     for orphan in sorted(exercises_dir.glob(NOTEBOOK_GLOB)):
         # A renamed or deleted solution leaves a generated notebook nobody maintains.
         if orphan.name not in names:
@@ -261,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         shown = _shown(args.exercises / name)
         if args.check:
             print(f"{shown} is out of date: run make exercises")
-        elif (args.solutions / name).is_file():
+        elif name in {exercise_name(source.name) for source in args.solutions.glob(NOTEBOOK_GLOB)}:
             print(f"wrote {shown}")
         else:
             print(f"removed {shown} (no solution notebook)")
