@@ -53,11 +53,11 @@ lab: install
 # 13 min -> 9.5 min on 2 cores. --dist loadfile keeps each file, and its module fixtures, on one worker.
 TEST_WORKERS ?= 2
 test: install
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+	COURSE_REHEARSE_GPU_NODE=1 HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # While editing: the tests/ folder without the tests marked slow (no notebooks, no benchmarks).
 test-quick: install
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests/
+	COURSE_REHEARSE_GPU_NODE=1 HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests/
 
 # Re-execute the lesson and solution notebooks and store their outputs (what nbval compares),
 # dropping the per-cell execution timestamps so diffs show only real changes, and the saved widget

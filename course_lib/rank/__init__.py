@@ -164,7 +164,15 @@ def init(*, timeout_s: float = 60.0) -> DistInfo:
 
     Equivalent to `dist.init_process_group(backend, timeout=...)` plus
     `torch.cuda.set_device(LOCAL_RANK)` under NCCL. A short timeout (default
-    60 s instead of torch's 10-30 min) makes a stuck collective fail quickly.
+    60 s instead of torch's 30 min for gloo, 10 min for NCCL) makes a stuck
+    collective fail quickly.
+
+    It does not pass `device_id`: a bound device makes NCCL create its
+    communicator at once and every later `new_group` an `ncclCommSplit` that
+    all ranks of the default group enter, members or not, so a lesson's
+    `new_group` pattern that is right on gloo would deadlock on a GPU node.
+    Unbound, NCCL starts at the first collective on the current device (set
+    here) and `new_group` behaves as on gloo. Lesson 01 shows binding by hand.
     """
     import torch
     import torch.distributed as dist
@@ -178,11 +186,7 @@ def init(*, timeout_s: float = 60.0) -> DistInfo:
         # NCCL needs each process on its own GPU, chosen before the group starts.
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend=choice.backend,
-            timeout=datetime.timedelta(seconds=timeout_s),
-            device_id=dev if dev.type == "cuda" else None,
-        )
+        dist.init_process_group(backend=choice.backend, timeout=datetime.timedelta(seconds=timeout_s))
     rank = dist.get_rank()
     if rank == 0 and ENV_BACKEND not in os.environ:
         # Outside a notebook cell nobody printed the header: say it here.

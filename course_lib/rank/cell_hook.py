@@ -26,6 +26,7 @@ import sys
 from typing import Callable
 
 from . import destroy_process_group_at_exit, dump_stacks_on_signal, record_collectives
+from .rehearsal import install_after_init
 
 C10D = "torch.distributed.distributed_c10d"
 
@@ -60,6 +61,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 def _on_distributed_loaded() -> None:
     record_collectives()
+    install_after_init()  # the GPU-node rehearsal, when the test suite asks for it (rehearsal.py)
     destroy_process_group_at_exit()  # a cell that forgets destroy_process_group() still ends cleanly
 
 
