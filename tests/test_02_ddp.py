@@ -308,3 +308,30 @@ def test_gradients_become_ready_last_layer_first_in_the_ddp_exercise():
     # At each cap, buckets made in module.parameters() order and started as each completes send other sizes.
     assert all(greedy_buckets(ready, CAPS[n]) != greedy_buckets(ready[::-1], CAPS[n])[::-1] for n in (2, 3))
     assert (ROWS, MICRO_ROWS) == (4, 2)
+
+
+def test_memory_table_names_ddp_buckets_and_the_bucket_view():
+    """Shared code lesson 02 changed, additively: predict_step(gradient_as_bucket_view=True) counts the buckets
+    once the gradients live in them; show_memory names the "buffers" column "ddp buckets" when only DDP is
+    shown (it stays "buffers" beside FSDP) and a bucket-view result "ddp+view". (The lesson's memory cell
+    asserts the measured side: 396,288 B less after the step.)"""
+    import torch
+
+    from course_lib.draw.memory import show_memory
+    from course_lib.measure.memory import PHASES, named_shapes, predict_step
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(6)])
+    shapes, buckets = named_shapes(model), 4 * 99_072
+    plain = predict_step(shapes, strategy="ddp", world_size=2, rank=0)
+    view = predict_step(shapes, strategy="ddp", world_size=2, rank=0, gradient_as_bucket_view=True)
+    assert [plain["phases"][p]["buffers"] for p in PHASES] == [buckets] * 4
+    assert [view["phases"][p]["buffers"] for p in PHASES] == [buckets, buckets, 0, 0]
+    assert view["phases"]["step"]["gradients"] == plain["phases"]["step"]["gradients"] == buckets
+    shown = show_memory([{**plain, "peak": {}}, {**view, "peak": {}}], model=model, display=False)
+    assert not shown.mismatches() and {row.strategy for row in shown.rows} == {"ddp", "ddp+view"}
+    header = shown.table.splitlines()[0]
+    assert "ddp buckets" in header and "buffers" not in header
+    assert "+view: DDP with gradient_as_bucket_view=True" in shown.table
+    fsdp = predict_step(shapes, strategy="fsdp2", world_size=2, rank=0)
+    mixed = show_memory([{**plain, "peak": {}}, {**fsdp, "peak": {}}], model=model, display=False)
+    assert "buffers" in mixed.table.splitlines()[0] and "ddp buckets" not in mixed.table
