@@ -185,7 +185,8 @@ WRONG = [
         BUCKET_CALLS_2: "3 all_reduce calls of 48 B, 36 B, 52 B, expected 3, of 48 B, 64 B, 24 B (consecutive "
                         "tensors, in order, in buckets of at most 64 B): a bucket of exactly 64 B was split",
         BUCKET_CALLS_3: "4 all_reduce calls of 8 B, 160 B, 12 B, 28 B, expected 4, of 8 B, 160 B, 32 B, 8 B "
-                        "(consecutive tensors, in order, in buckets of at most 32 B): a bucket of exactly 32 B was split",
+                        "(consecutive tensors, in order, in buckets of at most 32 B): a bucket of exactly 32 B was "
+                        "split",
     }, id="bucketed-strict-cap"),
     pytest.param("02.no_sync_accumulation", answers.ACCUMULATION_SYNC_EVERY_TIME, {
         SYNC_ONCE: "2 all_reduce calls of 176 B, 176 B, expected 1 (one per DDP bucket, on the last backward "

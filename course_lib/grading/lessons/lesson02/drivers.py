@@ -18,7 +18,8 @@ import torch
 
 from ...drivers import describe
 
-__all__ = ['mlp_from_weights', 'in_place_list', 'ddp_accumulation', 'ddp_comm_hook', 'ddp_from_scratch', 'rank_device']
+__all__ = ['mlp_from_weights', 'in_place_list', 'ddp_accumulation', 'ddp_comm_hook', 'ddp_from_scratch',
+           'rank_device']
 
 
 def rank_device() -> torch.device:
