@@ -332,3 +332,35 @@ DDP_NO_SYNC_DROPS = DDP_SOLUTION.replace(
     "                return  # inside no_sync(): the gradient stays in p.grad, added to by the next backward\n",
     "                p.grad.zero_()  # the gradient is dropped\n                return\n")
 assert DDP_NO_SYNC_DROPS != DDP_SOLUTION
+
+# DDP's assignment before its first rebuild: buckets of consecutive parameters in the order of module.parameters(),
+# fixed in the constructor, each all-reduced once all of its gradients are ready. Right values and overlap; the
+# buckets differ from those filled in the order of readiness (at the 2-rank cap of 128 B they did not).
+DDP_PARAMETER_ORDER = DDP_SOLUTION.replace(
+    DDP_SOLUTION[DDP_SOLUTION.index("        self.bucket, self.bucket_bytes, self.ready = [], 0, 0\n"):
+                 DDP_SOLUTION.index("        for p in params:\n")],
+    """        params = [p for p in module.parameters() if p.requires_grad]
+        self.buckets, size = [], 0
+        for p in params:  # consecutive parameters, in the order of module.parameters()
+            nbytes = p.numel() * p.element_size()
+            if self.buckets and size + nbytes <= bucket_cap_bytes:
+                self.buckets[-1].append(p)
+                size += nbytes
+            else:
+                self.buckets.append([p])
+                size = nbytes
+        bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self.missing = {}  # bucket index -> gradients it still waits for in this backward
+
+        def on_gradient_ready(p):
+            if not self.sync:
+                return
+            i = bucket_of[p]
+            self.missing[i] = self.missing.get(i, len(self.buckets[i])) - 1
+            if self.missing[i] == 0:  # the bucket is complete: start it
+                del self.missing[i]
+                flat = torch.cat([q.grad.reshape(-1) for q in self.buckets[i]])
+                self.pending.append((dist.all_reduce(flat, async_op=True), flat, self.buckets[i]))
+
+""")
+assert DDP_PARAMETER_ORDER != DDP_SOLUTION and "def start_bucket" not in DDP_PARAMETER_ORDER

@@ -165,7 +165,8 @@ WRONG = [
     pytest.param("02.bucketed_allreduce", answers.BUCKETED_PER_TENSOR, {
         BUCKET_CALLS_2: "5 all_reduce calls of 48 B, 20 B, 16 B, 28 B, 24 B, expected 3, of 48 B, 64 B, 24 B "
                         "(consecutive tensors, in order, in buckets of at most 64 B): one all_reduce per tensor",
-        BUCKET_CALLS_3: "4 all_reduce calls of 8 B, 160 B, 12 B, 20 B, expected 3, of 8 B, 160 B, 32 B",
+        BUCKET_CALLS_3: "6 all_reduce calls of 8 B, 160 B, 12 B, 20 B, 4 B, 4 B, expected 4, of 8 B, 160 B, 32 B, "
+                        "8 B (consecutive tensors, in order, in buckets of at most 32 B): one all_reduce per tensor",
     }, id="bucketed-per-tensor"),
     pytest.param("02.bucketed_allreduce", answers.BUCKETED_NO_COPY_BACK, {
         BUCKET_VALUES_2: "tensor 0 element [0, 0] is 6, expected 1.5: it is unchanged; copy the averaged flat "
@@ -183,7 +184,9 @@ WRONG = [
     pytest.param("02.bucketed_allreduce", answers.BUCKETED_STRICT_CAP, {
         BUCKET_CALLS_2: "3 all_reduce calls of 48 B, 36 B, 52 B, expected 3, of 48 B, 64 B, 24 B (consecutive "
                         "tensors, in order, in buckets of at most 64 B): a bucket of exactly 64 B was split",
-        BUCKET_CALLS_3: "a bucket of exactly 32 B was split",
+        BUCKET_CALLS_3: "4 all_reduce calls of 8 B, 160 B, 12 B, 28 B, expected 4, of 8 B, 160 B, 32 B, 8 B "
+                        "(consecutive tensors, in order, in buckets of at most 32 B): a bucket of exactly 32 B was "
+                        "split",
     }, id="bucketed-strict-cap"),
     pytest.param("02.no_sync_accumulation", answers.ACCUMULATION_SYNC_EVERY_TIME, {
         SYNC_ONCE: "2 all_reduce calls of 176 B, 176 B, expected 1 (one per DDP bucket, on the last backward "
@@ -228,7 +231,7 @@ WRONG = [
     # DDP copies the hook's result into each float32 .grad, casting it: not casting back is no mistake.
     pytest.param("02.fp16_compress_hook", answers.FP16_NO_CAST_BACK, {}, id="fp16-no-cast-back-passes"),
     pytest.param("02.ddp_from_scratch", answers.DDP_WAITS_IN_HOOK, {
-        DDP_OVERLAP: "rank 0, step 1: waited for a collective 4 times while backward ran (inside a hook): backward "
+        DDP_OVERLAP: "rank 0, step 1: waited for a collective 5 times while backward ran (inside a hook): backward "
                      "stalled on each bucket's all-reduce, no overlap",
     }, id="ddp-waits-in-the-hook"),
     pytest.param("02.ddp_from_scratch", answers.DDP_NO_SYNC_DROPS, {
@@ -236,7 +239,7 @@ WRONG = [
                      "inside it was lost",
     }, id="ddp-no-sync-drops-the-gradient"),
     pytest.param("02.ddp_from_scratch", answers.DDP_ALL_IN_FINISH, {
-        DDP_OVERLAP: "rank 0, step 1: 0 of 4 all_reduce calls started before backward returned, none before the "
+        DDP_OVERLAP: "rank 0, step 1: 0 of 5 all_reduce calls started before backward returned, none before the "
                      "last gradient was ready",
     }, id="ddp-all-reduces-after-backward"),
     pytest.param("02.ddp_from_scratch", answers.DDP_NO_BROADCAST, {
@@ -266,10 +269,20 @@ WRONG = [
         DDP_PARITY_3: "0.weight after step 1",
     }, id="ddp-last-bucket-not-copied-back"),
     pytest.param("02.ddp_from_scratch", answers.DDP_REACHES_THE_CAP, {
-        DDP_BUCKETS_2: "2 all_reduce calls of 360 B, 160 B, expected 4, of 104 B, 256 B, 32 B, 128 B (buckets of at "
-                       "most 128 B, in the order the gradients become ready): buckets that pass 128 B (DDP's rule",
-        DDP_BUCKETS_3: "expected 3, of 104 B, 288 B, 128 B",
+        DDP_BUCKETS_2: "3 all_reduce calls of 104 B, 256 B, 160 B, expected 5, of 72 B, 32 B, 256 B, 32 B, 128 B "
+                       "(buckets of at most 96 B, in the order the gradients become ready): buckets that pass 96 B "
+                       "(DDP's rule",
+        DDP_BUCKETS_3: "2 all_reduce calls of 360 B, 160 B, expected 3, of 104 B, 288 B, 128 B (buckets of at most "
+                       "300 B, in the order the gradients become ready): buckets that pass 300 B (DDP's rule",
     }, id="ddp-buckets-reach-the-cap"),
+    pytest.param("02.ddp_from_scratch", answers.DDP_PARAMETER_ORDER, {
+        DDP_BUCKETS_2: "5 all_reduce calls of 8 B, 96 B, 256 B, 32 B, 128 B, expected 5, of 72 B, 32 B, 256 B, 32 B, "
+                       "128 B (buckets of at most 96 B, in the order the gradients become ready): buckets made of "
+                       "consecutive parameters in the order of module.parameters()",
+        DDP_BUCKETS_3: "3 all_reduce calls of 72 B, 288 B, 160 B, expected 3, of 104 B, 288 B, 128 B (buckets of at "
+                       "most 300 B, in the order the gradients become ready): buckets made of consecutive parameters "
+                       "in the order of module.parameters()",
+    }, id="ddp-buckets-in-parameter-order"),
 ]
 
 
@@ -284,13 +297,42 @@ def test_wrong_answer_loses_the_right_points_and_says_why(exercise_id, source, l
 
 def test_greedy_buckets_fill_up_to_the_cap_and_give_a_large_tensor_its_own():
     assert greedy_buckets([48, 20, 16, 28, 24], 64) == [48, 64, 24]  # 20 + 16 + 28 = 64: the cap, allowed
-    assert greedy_buckets([8, 160, 12, 20], 32) == [8, 160, 32]  # 160 > 32: alone
+    assert greedy_buckets([8, 160, 12, 20, 4, 4], 32) == [8, 160, 32, 8]  # 160 > 32: alone
     assert greedy_buckets([], 64) == []
 
 
 def test_gradients_become_ready_last_layer_first_in_the_ddp_exercise():
     """The order the statement's bucket sizes come from (and lesson 02's hook cell shows on its own model)."""
     assert [name for name, _ in ready_order()] == ["4.bias", "4.weight", "2.bias", "2.weight", "0.bias", "0.weight"]
-    assert [greedy_buckets([b for _, b in ready_order()], CAPS[n]) for n in (2, 3)] == [[104, 256, 32, 128],
-                                                                                       [104, 288, 128]]
+    ready = [b for _, b in ready_order()]
+    assert [greedy_buckets(ready, CAPS[n]) for n in (2, 3)] == [[72, 32, 256, 32, 128], [104, 288, 128]]
+    # At each cap, buckets made in module.parameters() order and started as each completes send other sizes.
+    assert all(greedy_buckets(ready, CAPS[n]) != greedy_buckets(ready[::-1], CAPS[n])[::-1] for n in (2, 3))
     assert (ROWS, MICRO_ROWS) == (4, 2)
+
+
+def test_memory_table_names_ddp_buckets_and_the_bucket_view():
+    """Shared code lesson 02 changed, additively: predict_step(gradient_as_bucket_view=True) counts the buckets
+    once the gradients live in them; show_memory names the "buffers" column "ddp buckets" when only DDP is
+    shown (it stays "buffers" beside FSDP) and a bucket-view result "ddp+view". (The lesson's memory cell
+    asserts the measured side: 396,288 B less after the step.)"""
+    import torch
+
+    from course_lib.draw.memory import show_memory
+    from course_lib.measure.memory import PHASES, named_shapes, predict_step
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(6)])
+    shapes, buckets = named_shapes(model), 4 * 99_072
+    plain = predict_step(shapes, strategy="ddp", world_size=2, rank=0)
+    view = predict_step(shapes, strategy="ddp", world_size=2, rank=0, gradient_as_bucket_view=True)
+    assert [plain["phases"][p]["buffers"] for p in PHASES] == [buckets] * 4
+    assert [view["phases"][p]["buffers"] for p in PHASES] == [buckets, buckets, 0, 0]
+    assert view["phases"]["step"]["gradients"] == plain["phases"]["step"]["gradients"] == buckets
+    shown = show_memory([{**plain, "peak": {}}, {**view, "peak": {}}], model=model, display=False)
+    assert not shown.mismatches() and {row.strategy for row in shown.rows} == {"ddp", "ddp+view"}
+    header = shown.table.splitlines()[0]
+    assert "ddp buckets" in header and "buffers" not in header
+    assert "+view: DDP with gradient_as_bucket_view=True" in shown.table
+    fsdp = predict_step(shapes, strategy="fsdp2", world_size=2, rank=0)
+    mixed = show_memory([{**plain, "peak": {}}, {**fsdp, "peak": {}}], model=model, display=False)
+    assert "buffers" in mixed.table.splitlines()[0] and "ddp buckets" not in mixed.table

@@ -28,6 +28,12 @@ __all__ = ["MemoryRow", "MemoryView", "show_memory"]
 
 STACK = (*EXACT, "activations", "other")  # exact parts at the bottom, so outlines line up with them
 COLUMNS = (*PHASES, "peak")
+# Under DDP (and ZeRO-1, which runs DDP) the "buffers" category holds only DDP's gradient buckets: the
+# table and legend say so when no other strategy is shown ("buffers" also names a module's own buffers,
+# such as BatchNorm's running statistics, which torch's tracker files under "other").
+BUCKET_STRATEGIES = ("ddp", "zero1")
+BUCKET_LABEL = "ddp buckets"
+VIEW_SUFFIX = "+view"  # a DDP result measured with gradient_as_bucket_view=True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +82,20 @@ def _collect(obj: Any) -> list[dict]:
 
 def _order(results: list[dict]) -> list[dict]:
     known = {s: i for i, s in enumerate(STRATEGIES)}
-    return sorted(results, key=lambda r: (known.get(r["strategy"], len(known)), r["strategy"], r["rank"]))
+    return sorted(results, key=lambda r: (known.get(r["strategy"], len(known)), _label(r), r["rank"]))
+
+
+def _label(result: dict) -> str:
+    """The strategy as the table and the panels name it: DDP with gradient_as_bucket_view=True gets "+view"."""
+    return result["strategy"] + (VIEW_SUFFIX if result.get("gradient_as_bucket_view") else "")
+
+
+def _category_names(strategies: list[str]) -> dict[str, str]:
+    """Column and legend names: "buffers" reads "ddp buckets" when every result shown is DDP's (or ZeRO-1's)."""
+    names = {c: c for c in STACK}
+    if strategies and all(s.removesuffix(VIEW_SUFFIX) in BUCKET_STRATEGIES for s in strategies):
+        names["buffers"] = BUCKET_LABEL
+    return names
 
 
 def show_memory(results: Any, *, model: Any = None, unit_type: type | None = None, optimizer: str = "adam",
@@ -88,30 +107,35 @@ def show_memory(results: Any, *, model: Any = None, unit_type: type | None = Non
     dict by rank, by strategy, or nested). Predictions come from `predicted`
     (`predict_step` results, nested the same way) or, given the unwrapped
     `model` (and `unit_type`, the class FSDP wraps), are computed here.
+    A DDP result measured with `gradient_as_bucket_view=True` is shown as its own
+    strategy, "ddp+view"; when only DDP (or ZeRO-1) is shown, the "buffers" column
+    is named "ddp buckets", what it holds there. Rows keep the category "buffers".
     """
     measured = _order(_collect(results))
     if not measured:
         raise ValueError("no measure_step results found")
-    predictions = {(p["strategy"], p["rank"]): p for p in _collect(predicted)} if predicted else {}
+    predictions = {(_label(p), p["rank"]): p for p in _collect(predicted)} if predicted else {}
     if model is not None and not predictions:
         shapes = named_shapes(model)
         units = unit_prefixes(model, unit_type) if unit_type is not None else []
-        predictions = {(r["strategy"], r["rank"]): predict_step(
+        predictions = {(_label(r), r["rank"]): predict_step(
             shapes, strategy=r["strategy"], world_size=r["world_size"], rank=r["rank"], units=units,
-            optimizer=optimizer, element_size=element_size) for r in measured}
+            optimizer=optimizer, element_size=element_size,
+            gradient_as_bucket_view=bool(r.get("gradient_as_bucket_view"))) for r in measured}
 
     rows = []
     for result in measured:
-        pred = predictions.get((result["strategy"], result["rank"]))
+        pred = predictions.get((_label(result), result["rank"]))
         for phase in COLUMNS:
             values = result["peak"] if phase == "peak" else result["phases"][phase]
             for category in STACK:
                 expected = pred["phases"][phase].get(category) if pred and phase != "peak" else None
-                rows.append(MemoryRow(result["strategy"], result["rank"], phase, category,
+                rows.append(MemoryRow(_label(result), result["rank"], phase, category,
                                       int(values.get(category, 0)), expected))
-    theory = {p["strategy"]: p["theory"] for p in predictions.values()}
-    table = _table(rows, theory, _rounding_note(measured))
-    figure = _draw(rows, title or "Memory per rank: measured (bars) and predicted (dashed)")
+    theory = {_label(p): p["theory"] for p in predictions.values()}
+    names = _category_names(list(dict.fromkeys(r.strategy for r in rows)))
+    table = _table(rows, theory, _rounding_note(measured), names)
+    figure = _draw(rows, title or "Memory per rank: measured (bars) and predicted (dashed)", names)
     if display:
         print(table)
         show(figure)
@@ -134,9 +158,12 @@ def _exact(nbytes: float) -> str:
     return str(int(nbytes)) if float(nbytes).is_integer() else f"{nbytes:.1f}"
 
 
-def _table(rows: list[MemoryRow], theory: dict, note: str = "") -> str:
+def _table(rows: list[MemoryRow], theory: dict, note: str = "", names: dict[str, str] | None = None) -> str:
     """One line per (strategy, rank, phase): measured/predicted per category, '!' where they differ."""
-    header = f"{'strategy':<8} {'rank':>4} {'phase':<8}" + "".join(f" {c:>13}" for c in STACK) + f" {'total':>8}"
+    names = names or {c: c for c in STACK}
+    width = max([8, *(len(r.strategy) for r in rows)])
+    header = (f"{'strategy':<{width}} {'rank':>4} {'phase':<8}" + "".join(f" {names[c]:>13}" for c in STACK)
+              + f" {'total':>8}")
     lines = [header, "-" * len(header)]
     cells: dict[tuple, list[MemoryRow]] = {}
     for row in rows:
@@ -148,17 +175,22 @@ def _table(rows: list[MemoryRow], theory: dict, note: str = "") -> str:
             if row.predicted is not None:
                 cell += ("/" if row.measured == row.predicted else "!") + str(row.predicted)
             text.append(f" {cell:>13}")
-        lines.append(f"{strategy:<8} {rank:>4} {phase:<8}" + "".join(text) + f" {sum(r.measured for r in group):>8}")
+        lines.append(f"{strategy:<{width}} {rank:>4} {phase:<8}" + "".join(text)
+                     + f" {sum(r.measured for r in group):>8}")
     lines.append("bytes measured/predicted ('!': differs); activations, other and peak are measured only.")
+    if any(r.strategy.endswith(VIEW_SUFFIX) for r in rows):
+        lines.append(f"{VIEW_SUFFIX}: DDP with gradient_as_bucket_view=True (each .grad is a view into its bucket).")
     if note:
         lines.append(note)
+    same: dict[str, list[str]] = {}  # one line for the strategies with the same formula (ddp and ddp+view)
     for strategy, zero in theory.items():
-        lines.append(f"ZeRO formula, {strategy} (no padding, no buffers): "
-                     + ", ".join(f"{k} {_exact(v)}" for k, v in zero.items()) + " bytes per rank")
+        same.setdefault(", ".join(f"{k} {_exact(v)}" for k, v in zero.items()), []).append(strategy)
+    for values, strategies in same.items():
+        lines.append(f"ZeRO formula, {' and '.join(strategies)} (no padding, no buffers): {values} bytes per rank")
     return "\n".join(lines)
 
 
-def _draw(rows: list[MemoryRow], title: str) -> Any:
+def _draw(rows: list[MemoryRow], title: str, names: dict[str, str] | None = None) -> Any:
     from matplotlib.patches import Patch, Rectangle
 
     strategies = list(dict.fromkeys(r.strategy for r in rows))
@@ -192,7 +224,8 @@ def _draw(rows: list[MemoryRow], title: str) -> Any:
         ax.set_title(f"{strategy} ({n} ranks)", fontsize=10)
         ax.set_xlabel("ranks 0..N-1 left to right in each phase", fontsize=7)
     axes[0].set_ylabel(f"{unit} per rank")
-    handles = [Patch(color=CATEGORY_COLORS[c], label=c) for c in STACK]
+    names = names or {c: c for c in STACK}
+    handles = [Patch(color=CATEGORY_COLORS[c], label=names[c]) for c in STACK]
     handles.append(Patch(fill=False, edgecolor="black", linestyle="--", label="predicted"))
     # One row of 7 entries is wider than a one-strategy figure: two rows there.
     columns = len(handles) if len(strategies) > 1 else (len(handles) + 1) // 2

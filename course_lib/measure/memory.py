@@ -103,11 +103,15 @@ def _exact(model: Any, optimizer: Any, strategy: str) -> dict[str, int]:
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard's optimizer here
     states = [v for state in inner.state.values() for v in state.values() if hasattr(v, "untyped_storage")]
     buffers = _storage_bytes(gathered) + _storage_bytes(post_forward)
-    if strategy in ("ddp", "zero1") and hasattr(model, "_get_ddp_logging_data") \
-            and not model.gradient_as_bucket_view:
-        # DDP's reducer allocates its buckets in C++; it records their sizes in bytes.
-        buffers += sum(int(n) for n in re.findall(r"\d+", str(model._get_ddp_logging_data().get("bucket_sizes", ""))))
     grads = [p.grad for p in (model.parameters() if strategy != "fsdp2" else shards)]
+    if strategy in ("ddp", "zero1") and hasattr(model, "_get_ddp_logging_data"):
+        # DDP's reducer allocates its buckets in C++; it records their sizes in bytes.
+        buckets = sum(int(n) for n in re.findall(r"\d+", str(model._get_ddp_logging_data().get("bucket_sizes", ""))))
+        if model.gradient_as_bucket_view:
+            # Each .grad is a view into its bucket, counted under "gradients" once it exists (after
+            # backward): only the bucket bytes that hold no gradient yet are counted here.
+            buckets = max(0, buckets - _storage_bytes(grads))
+        buffers += buckets
     # The rounding torch's tracker adds to these storages on CUDA (not in the exact counts): see measure_step.
     sizes = [n for tensors in (shards, grads, states, gathered, post_forward) for n in _storages(tensors).values()]
     return {"parameters": _storage_bytes(shards), "gradients": _storage_bytes(grads),
@@ -221,6 +225,7 @@ def measure_step(model: Any, optimizer: Any, batch: tuple, loss_fn: Callable, *,
         "rank": dist.get_rank(), "world_size": dist.get_world_size(), "strategy": strategy,
         "device": str(device), "tracker": type(tracker).__name__, "loss": float(loss.detach()),
         "phases": phases, "peak": _categories(peak_raw, strategy, phases["init"]["parameters"]),
+        "gradient_as_bucket_view": bool(getattr(model, "gradient_as_bucket_view", False)),
         "tracker_phases": raw, "tracker_peak": peak_raw,
         "allocated": allocated or None,
         "cuda_rounding": rounding if cuda else None,
@@ -264,15 +269,18 @@ def _units(shapes: list[tuple[str, tuple[int, ...]]], units: list[str]) -> list[
 
 
 def predict_step(shapes: list[tuple[str, tuple[int, ...]]], *, strategy: str, world_size: int, rank: int,
-                 units: Sequence[str] = (), optimizer: str = "adam", element_size: int = 4) -> dict:
+                 units: Sequence[str] = (), optimizer: str = "adam", element_size: int = 4,
+                 gradient_as_bucket_view: bool = False) -> dict:
     """Exact bytes `measure_step` should find on `rank` in a first step, from the parameter shapes.
 
     `shapes`: `named_shapes(model)`; `units`: FSDP's wrapped submodules
     (`unit_prefixes(model, Block)`), the rest is the root unit. Parameters are
     the same in every phase; gradients appear in backward; optimizer state in
     step; buffers are DDP's buckets (all phases) or the root unit's gathered
-    parameters, which FSDP keeps from forward into backward. "theory" is ZeRO's
-    formula (`theory.zero_memory_per_rank`), which ignores padding and buffers.
+    parameters, which FSDP keeps from forward into backward. With DDP's
+    `gradient_as_bucket_view=True` the gradients are views into the buckets: from
+    backward on, the buckets' bytes are the gradients' and count once. "theory" is
+    ZeRO's formula (`theory.zero_memory_per_rank`), which ignores padding and buffers.
     """
     if strategy not in STRATEGIES or optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown strategy {strategy!r} or optimizer {optimizer!r}")
@@ -299,7 +307,11 @@ def predict_step(shapes: list[tuple[str, tuple[int, ...]]], *, strategy: str, wo
     base = {"parameters": params, "gradients": 0, "optimizer": 0, "buffers": buckets}
     phases = {"init": dict(base), "forward": {**base, "buffers": buckets + gathered},
               "backward": {**base, "gradients": grads}, "step": {**base, "gradients": grads, "optimizer": opt}}
+    if gradient_as_bucket_view and strategy in ("ddp", "zero1"):
+        for phase in ("backward", "step"):
+            phases[phase]["buffers"] = 0
     zero = theory.zero_memory_per_rank(sum(numels), world_size, stage=ZERO_STAGES[strategy], precision="fp32",
                                        optimizer=optimizer)
     return {"strategy": strategy, "rank": rank, "world_size": world_size, "phases": phases,
+            "gradient_as_bucket_view": gradient_as_bucket_view and strategy in ("ddp", "zero1"),
             "theory": {"parameters": zero.params, "gradients": zero.grads, "optimizer": zero.optimizer}}

@@ -69,7 +69,8 @@ def _bucket_formula(results: Mapping) -> tuple:
 
 
 def _memory_held(results: Mapping, ledgers: Mapping) -> int:
-    """Rank 0 after the step: parameters, gradients, Adam's state and DDP's buckets (the `buffers` column)."""
+    """Rank 0 after the step: parameters, gradients, Adam's state and DDP's buckets (the table's `ddp buckets`
+    column; `measure_step`'s category "buffers")."""
     after_step = results["memory"][0]["phases"]["step"]
     return sum(after_step[k] for k in ("parameters", "gradients", "optimizer", "buffers"))
 

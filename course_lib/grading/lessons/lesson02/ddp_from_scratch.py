@@ -191,6 +191,10 @@ def _bucket_hint(got: list[int], expected: list[int], cap: int) -> str:
     if got == greedy_buckets(in_parameter_order, cap):
         return (": buckets filled in the order of module.parameters(); fill them in the order the gradients "
                 "become ready (the last layer's first)")
+    if got == greedy_buckets(in_parameter_order, cap)[::-1]:
+        return (": buckets made of consecutive parameters in the order of module.parameters() (DDP's assignment "
+                "before its first rebuild), each started once complete; fill them in the order the gradients "
+                "become ready (the last layer's first)")
     reach = []
     for nbytes in ready:  # DDP's own rule: add, then close once the bucket reaches the cap
         if not reach or reach[-1] >= cap:
@@ -313,7 +317,10 @@ def _rank0_parameters(outcome: RunOutcome) -> list[str]:
     return []
 
 
-CAPS = {2: 128, 3: 300}  # bytes: 4 buckets on 2 ranks (one gradient larger than the cap), 3 on 3 ranks
+# Bytes: 5 buckets on 2 ranks (two gradients larger than the cap), 3 on 3 ranks. At each cap the buckets in
+# the order gradients become ready differ from those made in the order of module.parameters() and started as
+# each completes (at 128 B on 2 ranks both would send 104, 256, 32, 128 B).
+CAPS = {2: 96, 3: 300}
 
 DDP_FROM_SCRATCH = Exercise(
     id="02.ddp_from_scratch",

@@ -2,6 +2,11 @@
 
 Runs on the ranks, in the learner's process (see course_lib/grading/drivers.py for the rules
 every driver follows: copy the inputs, return plain data).
+
+Device: the model, the batches and the tensors handed to the learner live on the rank's device
+(`rank_device()`: the GPU under NCCL, else the CPU); what comes back is on the CPU, where the
+checker's single-process reference is. The grader's ranks run gloo on the CPU (rank_set.GLOO),
+also on a GPU node, so there the device is the CPU.
 """
 
 from __future__ import annotations
@@ -13,7 +18,23 @@ import torch
 
 from ...drivers import describe
 
-__all__ = ['mlp_from_weights', 'in_place_list', 'ddp_accumulation', 'ddp_comm_hook', 'ddp_from_scratch']
+__all__ = ['mlp_from_weights', 'in_place_list', 'ddp_accumulation', 'ddp_comm_hook', 'ddp_from_scratch',
+           'rank_device']
+
+
+def rank_device() -> torch.device:
+    """The device this rank's tensors live on: its current GPU under NCCL (which serves CUDA tensors only),
+    else the CPU."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _to(pairs: list, device: torch.device) -> list:
+    """(inputs, targets) pairs moved to `device`."""
+    return [(x.to(device), y.to(device)) for x, y in pairs]
 
 
 def mlp_from_weights(weights: list[torch.Tensor]) -> torch.nn.Sequential:
@@ -35,8 +56,8 @@ def mlp_from_weights(weights: list[torch.Tensor]) -> torch.nn.Sequential:
 
 
 def _copies(named: dict) -> dict:
-    """{name: a detached copy of the tensor, or None}: what a model holds, as plain data."""
-    return {name: None if t is None else t.detach().clone() for name, t in named.items()}
+    """{name: a detached CPU copy of the tensor, or None}: what a model holds, as plain data."""
+    return {name: None if t is None else t.detach().cpu().clone() for name, t in named.items()}
 
 
 def in_place_list(fn: Callable, tensors: list, *args) -> dict:
@@ -44,10 +65,11 @@ def in_place_list(fn: Callable, tensors: list, *args) -> dict:
 
     The tensors given, not what the list holds afterwards: replacing an entry is not in place.
     """
-    ts = [t.clone() for t in tensors]
+    device = rank_device()
+    ts = [t.clone().to(device) for t in tensors]
     given = list(ts)
     returned = fn(ts, *args)
-    return {"tensors": [t.detach().clone() for t in given], "returned": describe(returned)}
+    return {"tensors": [t.detach().cpu().clone() for t in given], "returned": describe(returned)}
 
 
 def _bucket_sizes(ddp_model) -> list[int]:
@@ -66,13 +88,14 @@ def ddp_accumulation(fn: Callable, weights: list, micro_batches: list, lr: float
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel
 
-    model = mlp_from_weights(weights)
-    ddp_model = DistributedDataParallel(model)
+    device = rank_device()
+    model = mlp_from_weights(weights).to(device)
+    ddp_model = DistributedDataParallel(model)  # device_ids None: the model and the batches are on `device`
     # The same all-reduce DDP's C++ Reducer would issue, issued from Python (and so recorded).
     ddp_model.register_comm_hook(dist.group.WORLD, allreduce_hook)
     buckets = _bucket_sizes(ddp_model)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    returned = fn(ddp_model, optimizer, [tuple(pair) for pair in micro_batches])
+    returned = fn(ddp_model, optimizer, _to(micro_batches, device))
     return {"params": _copies(dict(model.named_parameters())),
             "grads": _copies({n: p.grad for n, p in model.named_parameters()}),
             "buckets": buckets, "returned": describe(returned)}
@@ -105,8 +128,10 @@ def ddp_comm_hook(fn: Callable, weights: list, inputs: torch.Tensor, targets: to
     from torch.nn.parallel import DistributedDataParallel
 
     used = _torch_compression_in(fn)
-    model = mlp_from_weights(weights)
+    device = rank_device()
+    model = mlp_from_weights(weights).to(device)
     ddp_model = DistributedDataParallel(model)
+    inputs, targets = inputs.to(device), targets.to(device)
 
     def hook(state, bucket):  # DDP checks a hook's parameter names and annotations: not the learner's
         return fn(state, bucket)
@@ -180,7 +205,9 @@ def ddp_from_scratch(fn: Callable, weights: list, bucket_cap_bytes: int, steps: 
     import time
 
     cls = inspect.unwrap(fn)
-    module = mlp_from_weights(weights)
+    device = rank_device()
+    module = mlp_from_weights(weights).to(device)
+    steps, micro_batches = _to(steps, device), _to(micro_batches, device)
     ready_at: list[float] = []
     for parameter in module.parameters():
         parameter.register_post_accumulate_grad_hook(lambda p: ready_at.append(time.monotonic()))
