@@ -91,6 +91,13 @@ group = dist.new_group(ranks=[0])
 fact("new_group under a bound default group", f"returned {dist.get_rank(group)}")
 dist.destroy_process_group()
 
+# The mixed default group the README weighs: CPU tensors over gloo beside CUDA ones over NCCL.
+dist.init_process_group("cpu:gloo,cuda:nccl", timeout=datetime.timedelta(seconds=60))
+y = torch.ones(4)
+dist.all_reduce(y)
+fact("cpu:gloo,cuda:nccl: all_reduce on a CPU tensor", y.tolist())
+dist.destroy_process_group()
+
 # Bound: the eager path the old cl.init() took.
 dist.init_process_group("nccl", device_id=info.device, timeout=datetime.timedelta(seconds=60))
 fact("bound_device_id after init_process_group(device_id=...)", dist.distributed_c10d._get_default_group().bound_device_id)
