@@ -31,7 +31,7 @@ ZERO3_OPS = frozenset({"all_gather", "all_gather_into_tensor", "all_gather_singl
                        "reduce_scatter_tensor", "reduce_scatter_single", "all_reduce"})
 
 HINTS = (
-    "Reread lesson 05, section 2 (what a unit gathers in forward and backward, and frees) and section 5 "
+    "Reread lesson 05, section 3 (what a unit gathers in forward and backward, and frees) and section 6 "
     "'reshard_after_forward', the case True; the exercise's own paragraph on torch.autograd.Function.",
     "torch.autograd.Function (forward(ctx, ...), backward(ctx, grad_output), ctx.save_for_backward), "
     "dist.all_gather_single and dist.reduce_scatter_single with op=dist.ReduceOp.AVG (torch 2.13's names; "
