@@ -8,7 +8,7 @@ from torch.distributed.fsdp import fully_shard
 
 
 def shard_bottom_up(model) -> None:
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -143,11 +143,12 @@ from torch.distributed.fsdp import fully_shard
 def init_sharded(build, full_state):
     with torch.device("meta"):
         model = build()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    device = torch.device("cpu") if dist.get_backend() == "gloo" else torch.device("cuda", torch.cuda.current_device())
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, full_state, options=options)
     return model
@@ -181,7 +182,8 @@ from torch.distributed.fsdp import fully_shard
 
 def shard_hsdp(model, shard_size):
     replicas = dist.get_world_size() // shard_size
-    mesh = init_device_mesh("cpu", (replicas, shard_size), mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh(next(model.parameters()).device.type, (replicas, shard_size),
+                            mesh_dim_names=("replicate", "shard"))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -193,5 +195,17 @@ HSDP_NAMES_SWAPPED = HSDP_SOLUTION.replace('mesh_dim_names=("replicate", "shard"
 
 # A 1-D mesh of every rank: FSDP over all 4 ranks, nothing replicated.
 HSDP_ONE_DIM = HSDP_SOLUTION.replace(
-    '    mesh = init_device_mesh("cpu", (replicas, shard_size), mesh_dim_names=("replicate", "shard"))\n',
-    '    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("shard",))\n')
+    '(replicas, shard_size),\n                            mesh_dim_names=("replicate", "shard"))\n',
+    '(dist.get_world_size(),), mesh_dim_names=("shard",))\n')
+assert HSDP_ONE_DIM != HSDP_SOLUTION
+
+# The gathered weight kept on ctx (an attribute, not save_for_backward: autograd's saved-tensor hooks never see it),
+# with an all-gather in backward whose result goes unused: the right numbers and collectives, but the whole weight
+# lives from forward to backward.
+ZERO3_KEPT_ON_CTX = ZERO3_SOLUTION.replace(
+    "        weight = gather_rows(weight_shard)\n        ctx.save_for_backward(inputs, weight_shard)\n",
+    "        weight = gather_rows(weight_shard)\n        ctx.weight = weight\n"
+    "        ctx.save_for_backward(inputs, weight_shard)\n").replace(
+    "        weight = gather_rows(weight_shard)\n        grad_inputs = grad_output @ weight\n",
+    "        gather_rows(weight_shard)\n        grad_inputs = grad_output @ ctx.weight\n")
+assert ZERO3_KEPT_ON_CTX.count("ctx.weight") == 2

@@ -112,7 +112,7 @@ def test_each_exercise_states_its_deadline_cases_and_allowed_calls(exercise_id):
     if exercise_id in (SHARD, ACCUMULATE):
         assert f"lr {LR:g}" in text or f"lr={LR:g}" in text
     if exercise_id in (SHARD, META):
-        assert '`init_device_mesh("cpu", (dist.get_world_size(),))`' in markdown_cells("solutions", NOTEBOOK)[0]
+        assert '`init_device_mesh(device_type, (dist.get_world_size(),))`' in markdown_cells("solutions", NOTEBOOK)[0]
     for op in sorted(found.allowed_ops):
         assert f"`dist.{op}`" in text
     assert "collective or point-to-point call raises inside the check" in text
@@ -216,12 +216,14 @@ ROOT_FIRST = ("RuntimeError: TypeError: Invariant encountered: value was None wh
 # Ranks 2 and 3 both raise: the report names the lowest that has ended when the others are stopped.
 MESH_OF_2 = (" raised at cell line 10: RuntimeError: IndexError: list index out of range: the mesh holds ranks [0, 1], "
              "2 of the 4 ranks (rank ", " is not in it); FSDP's 1-D mesh holds every rank: "
-             "init_device_mesh('cpu', (dist.get_world_size(),)), not a size written in the code")
+             "init_device_mesh(device_type, (dist.get_world_size(),)), not a size written in the code")
 ALL_REDUCE = ("all_reduce of {} B = {} floats: every rank receives the whole gradient and keeps only its rows of it; "
               "a reduce-scatter gives each rank only its rows, with half the traffic")
 NO_FREE = ("during forward autograd saved a tensor of shape {} for backward, {} B = {} floats: the size of layer 1's "
            "whole weight {}. ZeRO-3 frees the gathered weight after forward: save only the input and the shards, and "
            "gather the weight again in backward")
+KEPT = ("after forward returned, a tensor it made, {} B = {} floats, is still alive: the size of layer 1's whole "
+        "weight {}. ZeRO-3 frees the gathered weight when forward returns; something still holds it")
 NEVER_ON = ("the parameter did not change, so no gradient reached this rank's shard: FSDP reduce-scatters only in a "
             "backward with gradient sync on")
 NO_SCATTER = ("gradient sync stayed off, so nothing reached the shards; turn it back on "
@@ -230,7 +232,7 @@ RECURSE = ("the Blocks still reduce-scatter every micro-batch: set_requires_grad
            "off only the root's own group")
 RESET = ("every rank's shard of blocks.0.up.weight starts with the same values. reset_parameters() on a sharded model "
          "draws each rank's rows from the same random state")
-NO_BROADCAST = (" raised at cell line 18: RuntimeError: The option indicates that model state_dict is required to save "
+NO_BROADCAST = (" raised at cell line 19: RuntimeError: The option indicates that model state_dict is required to save "
                 "or load, but model state_dict is empty.rank = dist.get_rank()=",
                 ".: only rank 0 is given the full state dict ({} on the others); "
                 "StateDictOptions(full_state_dict=True, broadcast_from_rank0=True) makes rank 0 broadcast each tensor")
@@ -261,6 +263,12 @@ WRONG = [
         FREED_2: LINEAR_2 + NO_FREE.format([6, 8], 192, 48, [8, 6]),
         FREED_4: LINEAR_4 + NO_FREE.format([5, 12], 240, 60, [12, 5]),
     }, id="zero3-gathered-weight-kept-for-backward"),
+    # The gathered weight put on ctx as an attribute (saved-tensor hooks never see it), an unused all-gather in
+    # backward: the right numbers and collectives, but the whole weight alive from forward to backward.
+    pytest.param(ZERO3, answers.ZERO3_KEPT_ON_CTX, {
+        FREED_2: LINEAR_2 + KEPT.format(192, 48, [8, 6]),
+        FREED_4: LINEAR_4 + KEPT.format(240, 60, [12, 5]),
+    }, id="zero3-gathered-weight-kept-on-ctx"),
     pytest.param(ZERO3, answers.ZERO3_SUM, {
         VALUES_2: LINEAR_2 + "the gradient of layer 1's weight shard (rows 0 to 3 of 8) element [0, 0] is 0.278295, "
                              "expected 0.139148: that is 2 times the average, the sum over the ranks; average it",

@@ -17,7 +17,7 @@ from .common import (FSDP2_OPS, FSDP2_PRELOAD, LR, TOY_2, TOY_3, batch, rows_tex
 __all__ = ["ACCUMULATE"]
 
 HINTS = (
-    "Reread lesson 05, section 7 'Accumulation, clipping, HSDP', the part on accumulation.",
+    "Reread lesson 05, section 8 'Accumulation, clipping, HSDP', the part on accumulation.",
     "FSDPModule.set_requires_gradient_sync(requires_gradient_sync, *, recurse=True), and "
     "optimizer.step() once.",
     "Keep FSDP from reduce-scattering in every backward but the last, on every FSDP module; scale each "

@@ -26,12 +26,23 @@ def toy_from_weights(sizes: dict, weights: dict) -> torch.nn.Module:
     return model
 
 
+def _device() -> torch.device:
+    """The device the default group's collectives serve: the CPU under gloo (the checker's ranks always run
+    gloo), this rank's GPU under NCCL. Models, batches and meshes go there; what a driver sends back is moved
+    to the CPU."""
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _mesh_1d() -> object:
-    """A 1-D mesh of every rank on the CPU (explicit: with gloo, a GPU's mesh would fail, pytorch#132471)."""
+    """A 1-D mesh of every rank on the group's device (named: with gloo, a GPU's mesh would fail, pytorch#132471)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh("cpu", (dist.get_world_size(),))
+    return init_device_mesh(_device().type, (dist.get_world_size(),))
 
 
 def _shard_toy(model: torch.nn.Module) -> None:
@@ -48,7 +59,7 @@ def _local_shards(model: torch.nn.Module) -> dict:
     """{name: this rank's rows of the parameter (a DTensor's local tensor; the whole tensor if not a DTensor)}."""
     from torch.distributed.tensor import DTensor
 
-    return {name: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
+    return {name: (p.to_local() if isinstance(p, DTensor) else p).detach().cpu().clone()
             for name, p in model.named_parameters()}
 
 
@@ -106,7 +117,7 @@ def _explained_sharding_error(exc: Exception, model: torch.nn.Module) -> Excepti
             return RuntimeError(
                 f"{said}: the mesh holds ranks {ranks}, {len(ranks)} of the {world} ranks (rank {rank} "
                 f"{'is not' if rank not in ranks else 'is'} in it); FSDP's 1-D mesh holds every rank: "
-                "init_device_mesh('cpu', (dist.get_world_size(),)), not a size written in the code")
+                "init_device_mesh(device_type, (dist.get_world_size(),)), not a size written in the code")
     return None
 
 
@@ -119,7 +130,9 @@ def fsdp2_shard(fn: Callable, sizes: dict, weights: dict, inputs: torch.Tensor, 
 
     from torch.distributed.fsdp import FSDPModule
 
-    model = toy_from_weights(sizes, weights)
+    device = _device()
+    model = toy_from_weights(sizes, weights).to(device)
+    inputs, targets = inputs.to(device), targets.to(device)
     try:
         returned = fn(model)
     except Exception as exc:
@@ -165,18 +178,51 @@ def _layer_problem(module: object, linear_shape: tuple, rows: int) -> str:
     return ""
 
 
+def _made_during(fn: Callable[[], object]) -> tuple[object, list[int]]:
+    """Run fn(); return its result and the bytes of every storage made by an operation during it (aten ops and
+    the collectives' outputs, seen by a TorchDispatchMode) that is still alive once it has returned. A tensor
+    kept anywhere (on autograd's ctx as an attribute, on a module, in a global) is still alive; one that only
+    lived inside fn is not. Saved-tensor hooks see only what autograd saves; this sees the rest."""
+    import gc
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    made: list = []
+
+    class Made(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            made.extend(weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+            return out
+
+    with Made():
+        result = fn()
+    gc.collect()  # a reference cycle that only fn's frames held is not "kept"
+    alive = {}
+    for ref in made:
+        tensor = ref()
+        if tensor is not None:
+            storage = tensor.untyped_storage()
+            alive[storage.data_ptr()] = storage.nbytes()
+    return result, sorted(alive.values(), reverse=True)
+
+
 def zero3_linear(fn: Callable, weights: dict, inputs: torch.Tensor, targets: torch.Tensor, lr: float,
                  steps: int) -> dict:
     """`fn` is the learner's ShardedLinear class. Build Sequential(ShardedLinear(Linear 0), ReLU, ShardedLinear(
     Linear 2)) from the full Linears holding `weights` (the same on every rank), run `steps` SGD(lr) steps on
     this rank's rows (inputs that require grad, as a layer inside a model gets). Send back the first forward's
-    output, what autograd saved during it (shapes), when the first forward and backward ran (for the ledger),
+    output, what autograd saved during it (shapes), the bytes of each storage the forward made that is still
+    alive after it (`_made_during`), when the first forward and backward ran (for the ledger),
     the shards' first gradients, and the shards after the steps. The whole block counts as the learner's code."""
     import time
 
     import torch.distributed as dist
 
-    cls, world = inspect.unwrap(fn), dist.get_world_size()
+    cls, world, device = inspect.unwrap(fn), dist.get_world_size(), _device()
+    inputs, targets = inputs.to(device), targets.to(device)
     saved: list[list[int]] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -186,7 +232,7 @@ def zero3_linear(fn: Callable, weights: dict, inputs: torch.Tensor, targets: tor
     with fn.learner_code():
         layers = []
         for prefix in ("0", "2"):
-            linear = _linear(weights, prefix)
+            linear = _linear(weights, prefix).to(device)
             layers.append(cls(linear))
             problem = _layer_problem(layers[-1], tuple(linear.weight.shape), linear.out_features // world)
             if problem:
@@ -197,19 +243,20 @@ def zero3_linear(fn: Callable, weights: dict, inputs: torch.Tensor, targets: tor
         x = inputs.clone().requires_grad_()
         started = time.monotonic()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            outputs = model(x)
+            outputs, kept = _made_during(lambda: model(x))
         forward = [started, time.monotonic()]
         torch.nn.functional.mse_loss(outputs, targets).backward()
         backward = [forward[1], time.monotonic()]
-        grads = {name: p.grad.detach().clone() if isinstance(p.grad, torch.Tensor) else describe(p.grad)
+        grads = {name: p.grad.detach().cpu().clone() if isinstance(p.grad, torch.Tensor) else describe(p.grad)
                  for name, p in model.named_parameters()}
         optimizer.step()
         for _ in range(steps - 1):
             optimizer.zero_grad()
             torch.nn.functional.mse_loss(model(inputs), targets).backward()
             optimizer.step()
-    return {"outputs": outputs.detach().clone(), "saved": saved, "forward": forward, "backward": backward,
-            "grads": grads, "params": {name: p.detach().clone() for name, p in model.named_parameters()}}
+    return {"outputs": outputs.detach().cpu().clone(), "saved": saved, "kept": kept, "forward": forward,
+            "backward": backward, "grads": grads,
+            "params": {name: p.detach().cpu().clone() for name, p in model.named_parameters()}}
 
 
 def fsdp2_hsdp(fn: Callable, sizes: dict, weights: dict, inputs: torch.Tensor, targets: torch.Tensor, lr: float,
@@ -224,7 +271,9 @@ def fsdp2_hsdp(fn: Callable, sizes: dict, weights: dict, inputs: torch.Tensor, t
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule
 
-    model = toy_from_weights(sizes, weights)
+    device = _device()
+    model = toy_from_weights(sizes, weights).to(device)
+    inputs, targets = inputs.to(device), targets.to(device)
     mesh = fn(model, shard_size)
     if not isinstance(mesh, DeviceMesh):
         return {"returned": describe(mesh)}
@@ -250,12 +299,13 @@ def fsdp2_accumulation(fn: Callable, sizes: dict, weights: dict, micro_batches: 
     forward of the root started (to tell the micro-batches' collectives apart in the ledger)."""
     import time
 
-    model = toy_from_weights(sizes, weights)
+    device = _device()
+    model = toy_from_weights(sizes, weights).to(device)
     _shard_toy(model)
     starts: list[float] = []
     model.register_forward_pre_hook(lambda module, args: starts.append(time.monotonic()), prepend=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    returned = fn(model, optimizer, [tuple(pair) for pair in micro_batches])
+    returned = fn(model, optimizer, [tuple(t.to(device) for t in pair) for pair in micro_batches])
     # The statement asks for the gradients zeroed after the step: None, or all zeros.
     kept = [name for name, p in model.named_parameters() if p.grad is not None and bool(p.grad.to_local().any())]
     return {"shards": _local_shards(model), "starts": starts, "returned": describe(returned), "grads_kept": kept}

@@ -22,9 +22,9 @@ STEPS = 2
 HSDP_OPS = FSDP2_OPS | {"all_reduce"}  # HSDP all-reduces each group's gradient shard across the replicas
 
 HINTS = (
-    "Reread lesson 05, section 7 'Accumulation, clipping, HSDP', the part on HSDP and its 2-D mesh, and "
-    "section 2 for sharding bottom up.",
-    "init_device_mesh('cpu', mesh_shape, mesh_dim_names=...) and fully_shard(module, mesh=...) with a 2-D mesh.",
+    "Reread lesson 05, section 8 'Accumulation, clipping, HSDP', the part on HSDP and its 2-D mesh, and "
+    "section 3 for sharding bottom up.",
+    "init_device_mesh(device_type, mesh_shape, mesh_dim_names=...) and fully_shard(module, mesh=...) with a 2-D mesh.",
     "Lay the ranks out as a grid whose rows are the groups that share the shards (consecutive ranks) and whose "
     "columns hold the replicas; fully_shard replicates over the grid's first dim and shards over its second, so "
     "order and name the dims that way; shard each Block, then the root, over the whole grid.",

@@ -13,11 +13,11 @@ from .common import FSDP2_OPS, FSDP2_PRELOAD, TOY_2, TOY_3, expected_placements,
 __all__ = ["META_INIT"]
 
 HINTS = (
-    "Reread lesson 05, section 8 'Meta-device init: the same shard on every rank (CPU mesh)'.",
+    "Reread lesson 05, section 10 'Meta-device init: the same shard on every rank (CPU mesh)'.",
     "torch.device('meta') as a context manager, fully_shard, nn.Module.to_empty(device=...), and "
     "set_model_state_dict with StateDictOptions from torch.distributed.checkpoint.state_dict.",
     "Build under the meta device so that no rank holds the whole model, shard it as in 05.shard_bottom_up, give "
-    "the shards memory on the CPU, then load the full state dict on every rank, telling the loader that only "
+    "the shards memory on the default group's device (the CPU: the checker's ranks run gloo), then load the full state dict on every rank, telling the loader that only "
     "rank 0 holds it, so that it broadcasts each tensor and each rank keeps its own rows.",
 )
 
@@ -51,7 +51,7 @@ def _built_on_meta(outcome: RunOutcome) -> list[str]:
             for name, described in result.output["params"].items():
                 if described["device"] == "meta":
                     return [f"{where}: {name} is still on the meta device (no memory): call "
-                            "model.to_empty(device='cpu') after fully_shard"]
+                            "model.to_empty(device=...) after fully_shard, on the default group's device (the CPU under gloo)"]
                 wrong = expected_placements(described, outcome.nproc)
                 if wrong:
                     return [f"{where}: {name} {wrong}"]

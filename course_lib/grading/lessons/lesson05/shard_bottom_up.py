@@ -15,8 +15,8 @@ from .common import (FSDP2_OPS, FSDP2_PRELOAD, LR, TOY_2, TOY_3, all_gather_elem
 __all__ = ["SHARD_BOTTOM_UP", "group_elements"]
 
 HINTS = (
-    "Reread lesson 05, section 2 '`fully_shard` on 2 ranks, bottom-up' and the contract's rule 2.",
-    "torch.distributed.device_mesh.init_device_mesh (on the CPU, of every rank) and "
+    "Reread lesson 05, section 3 '`fully_shard` on 2 ranks, bottom-up' and the contract's rule 2.",
+    "torch.distributed.device_mesh.init_device_mesh (on the model's device type, of every rank) and "
     "torch.distributed.fsdp.fully_shard(module, mesh=...).",
     "One mesh of every rank; make each Block an FSDP module of its own before the whole model, so that each "
     "Block's parameters form their own group and the root's group gets only what no Block took.",

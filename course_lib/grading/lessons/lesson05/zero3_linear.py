@@ -4,11 +4,13 @@ reduce-scatters (averages) the gradient.
 
 The ranks put two of the learner's `ShardedLinear` in a model, Linear -> ReLU -> Linear, and train it with
 SGD on their rows of a batch. Judged against one process on the whole batch: the outputs and the shards'
-gradients of the first step, the shards after 3 steps; from autograd's saved tensors and the ledger: the
-whole weight is not kept from forward to backward (nothing of its size is saved for backward, and backward
-all-gathers again); the gradient is reduce-scattered, not all-reduced. The usual mistakes are named: the
-gathered weight kept for backward (a gather-only Function under `F.linear`), a sum for an average, an
-all-reduce for a reduce-scatter, the whole gradient or this rank's own gradient returned.
+gradients of the first step, the shards after 3 steps; from autograd's saved tensors, the storages the forward
+made that are still alive after it, and the ledger: the whole weight is not kept from forward to backward
+(nothing of its size is saved for backward or held elsewhere, and backward all-gathers again); the gradient is
+reduce-scattered, not all-reduced. The usual mistakes are named: the gathered weight kept for backward (a
+gather-only Function under `F.linear`, or the weight put on `ctx` as an attribute, which saved-tensor hooks do
+not see), a sum for an average, an all-reduce for a reduce-scatter, the whole gradient or this rank's own
+gradient returned. What is not caught: a whole weight kept as N separate pieces (each a shard's size).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ ZERO3_OPS = frozenset({"all_gather", "all_gather_into_tensor", "all_gather_singl
                        "reduce_scatter_tensor", "reduce_scatter_single", "all_reduce"})
 
 HINTS = (
-    "Reread lesson 05, section 2 (what a unit gathers in forward and backward, and frees) and section 5 "
+    "Reread lesson 05, section 3 (what a unit gathers in forward and backward, and frees) and section 6 "
     "'reshard_after_forward', the case True; the exercise's own paragraph on torch.autograd.Function.",
     "torch.autograd.Function (forward(ctx, ...), backward(ctx, grad_output), ctx.save_for_backward), "
     "dist.all_gather_single and dist.reduce_scatter_single with op=dist.ReduceOp.AVG (torch 2.13's names; "
@@ -169,8 +171,9 @@ def _in(ledger: list[dict], span: list[float], flow: str) -> list[dict]:
 
 
 def _freed(outcome: RunOutcome) -> list[str]:
-    """Nothing autograd saves in forward has a whole weight's size; forward all-gathers, and backward
-    all-gathers again, at least once per layer."""
+    """Nothing autograd saves in forward has a whole weight's size, and nothing the forward made that is still
+    alive after it (kept on ctx as an attribute, on the module, ...) is as large as a whole weight; forward
+    all-gathers, and backward all-gathers again, at least once per layer."""
     problem = _problem(outcome)
     if problem:
         return problem
@@ -187,6 +190,9 @@ def _freed(outcome: RunOutcome) -> list[str]:
                                 f"{full}. ZeRO-3 frees the gathered weight after forward: save only the input and "
                                 "the shards, and gather the weight again in backward (an F.linear on a gathered "
                                 "weight saves that weight for its own backward)"]
+            kept = _kept(result.output["kept"], whole)
+            if kept:
+                return [f"{where}: {kept}"]
             layers = len(whole)
             if len(_in(result.ledger, result.output["forward"], "all_gather")) < layers:
                 return [f"{where}: forward all-gathered {len(_in(result.ledger, result.output['forward'], 'all_gather'))}"
@@ -198,6 +204,24 @@ def _freed(outcome: RunOutcome) -> list[str]:
                         "a weight freed after forward must be gathered again for the input's gradient (grad_output "
                         "@ weight); if it was not, the whole weight was kept from forward to backward"]
     return []
+
+
+def _kept(alive: list[int], whole: dict[str, list[int]]) -> str:
+    """"" if no storage the forward made and left alive (`alive`, bytes) is as large as a layer's whole weight;
+    else which one is, and why that is ZeRO-3's mistake."""
+    by_size = sorted(whole.items(), key=lambda item: _numel(item[1]))
+    for nbytes in alive:
+        reached = [(prefix, full) for prefix, full in by_size if nbytes >= 4 * _numel(full)]
+        if not reached:
+            continue
+        exact = [(prefix, full) for prefix, full in reached if nbytes == 4 * _numel(full)]
+        prefix, full = exact[0] if exact else reached[-1]
+        size = f"{'the' if exact else 'at least the'} size of {LAYER_NAMES[prefix]}'s whole weight {full}"
+        return (f"after forward returned, a tensor it made, {floats(nbytes)}, is still alive: {size}. ZeRO-3 frees "
+                "the gathered weight when forward returns; something still holds it (an attribute of ctx or of the "
+                "module, a global, a list): keep only the input and the shards, and gather the weight again in "
+                "backward")
+    return ""
 
 
 def _numel(shape: list[int]) -> int:
