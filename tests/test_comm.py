@@ -157,6 +157,10 @@ def test_timeline_shades_a_lane_from_a_time_and_counts_the_calls_after_it():
     assert len(shaded) == 1 and abs(shaded[0].get_x() - 1150.0) < 1e-6  # ms from the origin, to the axis' end
     assert abs(shaded[0].get_x() + shaded[0].get_width() - 3301.0) < 1e-6
     assert [t.get_text() for t in ax.texts if "out of data" in t.get_text()] == [" out of data"]
+    late = show_timeline(HAND, shade={1: (3.29, "a label too long to fit after this point")}, labels=False, quiet=True)
+    late.fig.draw_without_rendering()
+    (text,) = late.fig.axes[0].texts
+    assert text.get_window_extent().x1 <= late.fig.axes[0].get_window_extent().x1 + 0.5  # ends at the axis' end
     assert _render(view).startswith(b"\x89PNG")
     assert show_timeline(HAND, quiet=True).lines == show_timeline(HAND, shade={}, quiet=True).lines
     labelled = show_timeline(HAND, shade={1: (2.0, "later")}, quiet=True)  # with byte labels too

@@ -182,13 +182,15 @@ def show_timeline(ledgers: dict[int, list[dict]], *, steps: list[int] | None = N
         if labels and bar.op != "barrier":
             to_label.append((bar, bar.start * 1e3, width))
     shade = {r: mark for r, mark in (shade or {}).items() if r in origin}
+    shade_labels = []
     for r, (at, text) in shade.items():
         from matplotlib.patches import Rectangle
 
         left = (at - origin[r]) * 1e3
         ax.add_patch(Rectangle((left, r - 0.42), max(span * 1e3 - left, 0.0), 0.84, facecolor="#e6e6e6",
                                edgecolor="#999999", linestyle="--", linewidth=0.6, zorder=0))
-        ax.text(left, r + 0.4, f" {text}", ha="left", va="bottom", fontsize=LABEL_FONTSIZE - 1, color="#444444")
+        shade_labels.append(ax.text(left, r + 0.4, f" {text}", ha="left", va="bottom",
+                                    fontsize=LABEL_FONTSIZE - 1, color="#444444"))
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.set_ylim(max(ranks, default=0) + 0.6, -1.2)
     ax.set_xlabel(f"time (ms){' from first call' if align != 'barrier' else ' from first barrier'}; "
@@ -196,6 +198,13 @@ def show_timeline(ledgers: dict[int, list[dict]], *, steps: list[int] | None = N
     ax.set_title(title, fontsize=10)
     if drawn:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    if shade_labels:  # a label that would cross the axis' right end ends there instead
+        fig.draw_without_rendering()
+        renderer, right = fig.canvas.get_renderer(), ax.get_window_extent().x1
+        for label in shade_labels:
+            if label.get_window_extent(renderer).x1 > right:
+                label.set_x(ax.get_xlim()[1])
+                label.set_horizontalalignment("right")
     places = _place_labels(fig, ax, to_label) if to_label else {}
     calls = {r: sum(b.rank == r and b.op != "barrier" for b in bars) for r in ranks}
     lines = []
