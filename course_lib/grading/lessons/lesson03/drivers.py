@@ -1,7 +1,9 @@
 """The rank side of lesson 03: uneven inputs, Join, ZeRO: how each exercise calls the learner's function.
 
 Runs on the ranks, in the learner's process (see course_lib/grading/drivers.py for the rules
-every driver follows: copy the inputs, return plain data).
+every driver follows: copy the inputs, return plain data). The grading ranks form a gloo group on the
+CPU (rank_runner.py), even on a GPU node: the CPU is every rank's device here, so the models, batches and
+the checker's own tensors (its barriers' `torch.zeros(1)`) live there.
 """
 
 from __future__ import annotations
