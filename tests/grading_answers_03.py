@@ -150,70 +150,83 @@ COUNTER_SILENT_MAIN_HOOK = COUNTER_SOLUTION[:COUNTER_SOLUTION.index("        gro
 COUNTER_POST_HOOK_FORGETS = COUNTER_SOLUTION.replace(
     "        self.counter.is_last_joiner = is_last_joiner\n", "        pass\n")
 
-ZERO_SOLUTION = '''%%exercise 03.zero_consolidate_save
+ZERO_SOLUTION = '''%%exercise 03.zero_sharded_checkpoint
+import os
 import torch
 import torch.distributed as dist
 
 
-def save_optimizer(optimizer, path: str) -> None:
+def save_shards(optimizer, folder: str) -> None:
+    index = {p: i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+    state = {index[p]: s for p, s in optimizer.optim.state.items()}
+    torch.save(state, os.path.join(folder, f"shard_{dist.get_rank()}.pt"))
+
+
+def load_shards(optimizer, folder: str) -> None:
+    state = {}
+    for name in sorted(os.listdir(folder)):
+        state.update(torch.load(os.path.join(folder, name)))
+    groups, start = [], 0
+    for group in optimizer.param_groups:
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": list(range(start, start + len(group["params"])))})
+        start += len(group["params"])
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+'''
+
+LOAD_WHOLE = '''
+
+def load_shards(optimizer, folder: str) -> None:
+    optimizer.load_state_dict(torch.load(os.path.join(folder, "whole.pt")))
+'''
+
+# Lesson 03's way: gather on rank 0, which writes one plain optimizer's file, loaded on every rank. It resumes
+# right, on any number of ranks; but saving is a collective: rank 0 receives every share.
+ZERO_CONSOLIDATES = '''%%exercise 03.zero_sharded_checkpoint
+import os
+import torch
+import torch.distributed as dist
+
+
+def save_shards(optimizer, folder: str) -> None:
     optimizer.consolidate_state_dict(to=0)
     if dist.get_rank() == 0:
-        torch.save(optimizer.state_dict(), path)
+        torch.save(optimizer.state_dict(), os.path.join(folder, "whole.pt"))
+''' + LOAD_WHOLE
 
+# Consolidates on rank 0 only: consolidate_state_dict is a collective, rank 0 waits for the others' shares.
+ZERO_CONSOLIDATE_ON_RANK_0 = ZERO_CONSOLIDATES.replace(
+    "    optimizer.consolidate_state_dict(to=0)\n    if dist.get_rank() == 0:\n",
+    "    if dist.get_rank() == 0:\n        optimizer.consolidate_state_dict(to=0)\n")
 
-def load_optimizer(optimizer, path: str) -> None:
-    optimizer.load_state_dict(torch.load(path))
+# Saves the inner optimizer's state dict: its indices (0, 1, ...) are the rank's own, so the merged state
+# puts one parameter's moments on another.
+ZERO_LOCAL_INDEX = ZERO_SOLUTION.replace(
+    '''    index = {p: i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+    state = {index[p]: s for p, s in optimizer.optim.state.items()}
+''', '''    state = optimizer.optim.state_dict()["state"]
+''')
+
+# Each rank reads only the file it wrote: right on the same ranks, wrong when the owners change.
+ZERO_OWN_FILE_ONLY = ZERO_SOLUTION.replace(
+    '''    for name in sorted(os.listdir(folder)):
+        state.update(torch.load(os.path.join(folder, name)))
+''', '''    mine = os.path.join(folder, f"shard_{dist.get_rank()}.pt")
+    if os.path.exists(mine):
+        state.update(torch.load(mine))
+''')
+
+# Only rank 0 saves (its share): the others' state is lost.
+ZERO_RANK_0_SAVES = ZERO_SOLUTION.replace(
+    '''    torch.save(state, os.path.join(folder, f"shard_{dist.get_rank()}.pt"))
+''', '''    if dist.get_rank() == 0:
+        torch.save(state, os.path.join(folder, f"shard_{dist.get_rank()}.pt"))
+''')
+
+# Loads nothing: the new optimizer starts Adam from zero moments.
+ZERO_LOADS_NOTHING = ZERO_SOLUTION[:ZERO_SOLUTION.index("def load_shards")] + '''def load_shards(optimizer, folder: str) -> None:
+    pass
 '''
-
-LOAD = '''
-
-def load_optimizer(optimizer, path: str) -> None:
-    optimizer.load_state_dict(torch.load(path))
-'''
-
-# Saves without consolidating: state_dict() raises on rank 0.
-ZERO_NO_CONSOLIDATE = ZERO_SOLUTION.replace("    optimizer.consolidate_state_dict(to=0)\n", "")
-
-# Consolidates on rank 0 only: consolidate_state_dict is a collective, rank 0 waits for the others' shards.
-ZERO_CONSOLIDATE_ON_RANK_0 = '''%%exercise 03.zero_consolidate_save
-import torch
-import torch.distributed as dist
-
-
-def save_optimizer(optimizer, path: str) -> None:
-    if dist.get_rank() == 0:
-        optimizer.consolidate_state_dict(to=0)
-        torch.save(optimizer.state_dict(), path)
-''' + LOAD
-
-# Saves on every rank: only rank 0 holds the consolidated state, the others' state_dict() raises.
-ZERO_SAVES_ON_EVERY_RANK = ZERO_SOLUTION.replace(
-    "    if dist.get_rank() == 0:\n        torch.save(optimizer.state_dict(), path)\n",
-    "    torch.save(optimizer.state_dict(), path)\n")
-
-# Saves the local optimizer's state: rank 0's shard only (and loads it into the local optimizer too).
-ZERO_SAVES_LOCAL_SHARD = '''%%exercise 03.zero_consolidate_save
-import torch
-import torch.distributed as dist
-
-
-def save_optimizer(optimizer, path: str) -> None:
-    if dist.get_rank() == 0:
-        torch.save(optimizer.optim.state_dict(), path)
-
-
-def load_optimizer(optimizer, path: str) -> None:
-    optimizer.load_state_dict(torch.load(path))
-'''
-
-# Loads on rank 0 only, as it saved: the other ranks resume their share of the state from zero.
-ZERO_LOADS_ON_RANK_0 = ZERO_SOLUTION.replace(
-    "    optimizer.load_state_dict(torch.load(path))\n",
-    "    if dist.get_rank() == 0:\n        optimizer.load_state_dict(torch.load(path))\n")
-
-# Loads into the inner optimizer: it holds this rank's parameters only, the file all of them.
-ZERO_LOADS_INTO_INNER = ZERO_SOLUTION.replace("    optimizer.load_state_dict(torch.load(path))\n",
-                                              "    optimizer.optim.load_state_dict(torch.load(path))\n")
 
 ZERO1_SOLUTION = '''%%exercise 03.zero1_by_hand
 import torch

@@ -25,7 +25,7 @@ from course_lib.grading.cells import EXERCISE_ID, exercise_cells
 from course_lib.grading.checker import check_exercise, preload_for, rank_set_for
 from course_lib.grading.lessons.lesson02.exercises import ATOL, RTOL, _batch, _sgd_step, _weights
 from course_lib.grading.lessons.lesson03.exercises import (
-    ADAM_LR, LR, STATE_ATOL, STATE_RTOL, ZERO1_DEFAULTS, first_out, greedy_owners, join_reference)
+    ADAM_LR, LR, ZERO1_DEFAULTS, first_out, greedy_owners, join_reference)
 from course_lib.grading.registry import exercise, exercises_of_lesson
 from course_lib.grading.report import item_line
 
@@ -54,7 +54,7 @@ def _sections(notebook: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("notebook", ["solutions", "exercises"])
 def test_the_notebook_lists_exactly_the_exercises_graded(notebook):
-    assert IDS == ["03.join_uneven_training", "03.counting_joinable", "03.zero_consolidate_save", "03.zero1_by_hand"]
+    assert IDS == ["03.join_uneven_training", "03.counting_joinable", "03.zero_sharded_checkpoint", "03.zero1_by_hand"]
     cells = exercise_cells(nbformat.read(notebook_path(notebook, NOTEBOOK), as_version=4))
     assert list(cells) == IDS  # the %%exercise cells, in the registry's order
     markdown = "\n".join(_markdown(notebook))
@@ -81,14 +81,20 @@ def _case_phrases(exercise_id: str, case: dict) -> list[str]:
         values = [case[r][0] for r in range(n)]
         listed = "; ".join(f"rank {r}: " + ", ".join(f"{v:g}" for v in vs) for r, vs in enumerate(values))
         return [f"{_and([len(vs) for vs in values])} calls (", listed]
-    steps, rows = len(case[0][1]), case[0][1][0][0].shape[0]
     if exercise_id == ZERO1:
+        steps, rows = len(case[0][1]), case[0][1][0][0].shape[0]
         name, defaults = case[0][2], case[0][3]
         options = ", ".join(f"{k}={v:g}" for k, v in defaults.items())
         return [f"`torch.optim.{name}({options})`", f"{steps} steps of {rows} rows per rank"]
-    saved_after = case[0][2]
-    return [f"{saved_after} steps of {rows} rows per rank (batches of {n * rows} rows), saved, then "
-            f"{steps - saved_after} more steps"]
+    _, before, after, world_save, world_load, _, _ = case[0]
+    rows_before, rows_after = 12 // world_save, 12 // world_load
+    if world_load == world_save:
+        return [f"{len(before)} steps of {rows_before} rows per rank on {world_save} ranks, saved, then "
+                f"{len(after)} more steps on the same {world_load} ranks"]
+    on = {2: "on ranks 0 and 1", 3: "on all 3 ranks"}
+    saved = (f"{len(before)} steps of {rows_before} rows per rank "
+             + (f"on {world_save} ranks" if world_save == n else on[world_save]) + ", saved")
+    return [saved, f"then {len(after)} more steps {on[world_load]} ({rows_after} rows each)"]
 
 
 def _power(tolerance: float) -> str:
@@ -110,8 +116,8 @@ def test_each_exercise_states_its_deadline_cases_and_allowed_calls(exercise_id):
     if exercise_id == JOIN:
         assert f"rtol {_power(RTOL)} and atol {_power(ATOL)}" in text and f"lr {LR:g}" in text
     if exercise_id == ZERO:
-        assert f"rtol {_power(STATE_RTOL)} and atol {_power(STATE_ATOL)}" in text and f"lr={ADAM_LR:g}" in text
-        assert f"rtol {_power(RTOL)} and atol {_power(ATOL)}" in text
+        assert f"rtol {_power(RTOL)} and atol {_power(ATOL)}" in text and f"lr={ADAM_LR:g}" in text
+        assert "none inside `save_shards`" in text and "Each step's batch has 12 rows" in text
     if exercise_id == ZERO1:
         assert f"rtol {_power(RTOL)} and atol {_power(ATOL)}" in text
         assert ZERO1_DEFAULTS == {"Adam": {"lr": ADAM_LR}, "SGD": {"lr": 0.1, "momentum": 0.9}}
@@ -119,6 +125,30 @@ def test_each_exercise_states_its_deadline_cases_and_allowed_calls(exercise_id):
         assert f"`dist.{op}`" in text
     assert "Any other collective or point-to-point call" in text
     assert "`dist.get_rank()`" in text  # not a communication: never blocked
+
+
+def test_the_lessons_model_and_data_are_the_definitions_its_cells_held():
+    """Lesson 03's cells import make_mlp and make_batches from course_lib.models; before, each cell defined
+    them (below, as they were): the same parameter names and values, the same batches for every rank."""
+    import torch
+
+    from course_lib.models import make_batches, make_mlp
+
+    def old_make_mlp():
+        torch.manual_seed(0)   # the same weights in every process that calls it
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+    def old_make_batches(rank, count, size=4):
+        generator = torch.Generator().manual_seed(100 + rank)
+        return [(torch.randn(size, 8, generator=generator), torch.randn(size, 4, generator=generator))
+                for _ in range(count)]
+
+    new, old = dict(make_mlp().named_parameters()), dict(old_make_mlp().named_parameters())
+    assert list(new) == list(old) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert all(torch.equal(new[name], old[name]) for name in new)
+    for rank, count in ((0, 2), (1, 3)):
+        for (x, y), (x_old, y_old) in zip(make_batches(rank, count), old_make_batches(rank, count), strict=True):
+            assert torch.equal(x, x_old) and torch.equal(y, y_old)
 
 
 def test_the_join_reference_with_even_inputs_is_one_process_on_the_whole_batch():
@@ -180,20 +210,23 @@ COUNT_2, LAST_2, COUNT_3, LAST_3 = (
     "post_hook: is_last_joiner True on the rank with the most calls only (2 ranks)",
     "every rank: the count, total and peak of all values (3 ranks: 1, 3, 2 and 3, 1, 3 calls)",
     "post_hook: is_last_joiner True on the ranks with the most calls, a tie included (3 ranks)")
-LOADS_2, STATE_2, RESUMED_2, STATE_3, RESUMED_3 = (
-    "rank 0's file loads into a plain torch.optim.Adam (2 ranks)",
-    "its state equals one process's Adam after 3 steps on the whole batch (2 ranks)",
-    "loaded on every rank, 2 more steps give one process's Adam after 5 steps (2 ranks)",
-    "its state equals one process's Adam after 2 steps on the whole batch (3 ranks)",
-    "loaded on every rank, 2 more steps give one process's Adam after 4 steps (3 ranks)")
+QUIET_2, SAME_2, QUIET_3, FEWER_3, MORE_3 = (
+    "save_shards makes no collective: each rank writes the state it holds (2 ranks)",
+    "saved on 2 ranks, loaded on the same 2: 2 more steps give one process's Adam after 5 steps",
+    "save_shards makes no collective: each rank writes the state it holds (3 ranks)",
+    "saved on 3 ranks, loaded on 2: 2 more steps give one process's Adam after 4 steps",
+    "saved on 2 ranks, loaded on 3: 2 more steps give one process's Adam after 4 steps")
 ADAM_2, SGD_2, SHARE_2, ADAM_3, SHARE_3 = (
     "parameters equal one process's Adam after 3 steps, on every rank (2 ranks)",
     "parameters equal one process's SGD with momentum after 3 steps (2 ranks)",
     "each rank's optimizer state is its greedy share, in bytes (2 ranks)",
     "parameters equal one process's Adam after 3 steps, on every rank (3 ranks)",
     "each rank's optimizer state is its greedy share, in bytes (3 ranks)")
-NOT_CONSOLIDATED = "RuntimeError: Optimizer state has not been consolidated on this rank"
-SHARD_FILE = "the file holds the state of 1 of the model's 4 parameters: one rank's shard"
+# (The ledger numbers a rank's calls over the runs its process served: the number after '#' depends on them.)
+GATHERS = ("each rank writes the state it holds, without communicating: gathering every share on one rank (as "
+           "consolidate_state_dict does) needs that rank to hold the whole state at once")
+OTHER_INDEX = ("that state belongs to another parameter; the inner optimizer numbers its own parameters 0, 1, ... on "
+               "every rank, while a plain optimizer's state_dict numbers every parameter of the model")
 NOT_SENT = "and this rank never received the result: after the step every parameter must go from its owner"
 OWN_ROWS = "that is each owner's step with the gradient of its own rows only; average the gradients"
 
@@ -240,38 +273,37 @@ WRONG = [
                 "afterwards; what post_hook is told must be stored on the counter",
         LAST_3: "counter.is_last_joiner is None afterwards",
     }, id="counter-post-hook-forgets"),
-    pytest.param(ZERO, answers.ZERO_NO_CONSOLIDATE, {
-        name: f"rank 0 raised at cell line 8: {NOT_CONSOLIDATED}. Please call `consolidate_state_dict(to=0)` on "
-              "all ranks" for name in (LOADS_2, STATE_2, RESUMED_2, STATE_3, RESUMED_3)
-    }, id="zero-not-consolidated"),
-    pytest.param(ZERO, answers.ZERO_SAVES_ON_EVERY_RANK, {
-        name: f"rank 1 raised at cell line 8: {NOT_CONSOLIDATED}"
-        for name in (LOADS_2, STATE_2, RESUMED_2, STATE_3, RESUMED_3)
-    }, id="zero-saves-on-every-rank"),
-    pytest.param(ZERO, answers.ZERO_SAVES_LOCAL_SHARD, {
-        LOADS_2: f"rank 0, case 1 of 1 (3 Adam steps, saved, 2 more after loading; 4 rows per rank per step): "
-                 f"{SHARD_FILE}; the file must hold the state of every parameter, gathered from every rank",
-        STATE_2: SHARD_FILE,
-        RESUMED_2: "load_optimizer raised ValueError: loaded state dict contains a parameter group that doesn't "
-                   "match the size of optimizer's group",
-        STATE_3: f"rank 0, case 1 of 1 (2 Adam steps, saved, 2 more after loading; 2 rows per rank per step): "
-                 f"{SHARD_FILE}",
-        RESUMED_3: "load_optimizer raised ValueError",
-    }, id="zero-saves-rank-0s-shard"),
-    pytest.param(ZERO, answers.ZERO_LOADS_ON_RANK_0, {
-        RESUMED_2: "rank 0, case 1 of 1 (3 Adam steps, saved, 2 more after loading; 4 rows per rank per step): "
-                   "after resuming, 0.weight element [0, 0] is 0.098589, expected 0.0984278: that is the state "
-                   "loaded on rank 0 only: the parameters ranks 1 to 1 own resumed their Adam state from zero",
-        RESUMED_3: "the parameters ranks 1 to 2 own resumed their Adam state from zero; each rank keeps the state "
-                   "of its own share, so every rank loads the file",
-    }, id="zero-loads-on-rank-0-only"),
-    pytest.param(ZERO, answers.ZERO_LOADS_INTO_INNER, {
-        RESUMED_2: "rank 0, case 1 of 1 (3 Adam steps, saved, 2 more after loading; 4 rows per rank per step): "
-                   "load_optimizer raised ValueError: loaded state dict contains a parameter group that doesn't "
-                   "match the size of optimizer's group: the optimizer it loads into holds fewer parameters than "
-                   "the file",
-        RESUMED_3: "load_optimizer raised ValueError",
-    }, id="zero-loads-into-the-inner-optimizer"),
+    # Lesson 03's consolidate_state_dict: resumes right on any number of ranks, but gathers while saving.
+    pytest.param(ZERO, answers.ZERO_CONSOLIDATES, {
+        QUIET_2: GATHERS,
+        QUIET_3: "rank 0, case 1 of 2 (2 Adam steps on 3 ranks, saved, 2 more after loading on 2): save_shards "
+                 "called broadcast",
+    }, id="zero-gathers-on-rank-0"),
+    pytest.param(ZERO, answers.ZERO_LOCAL_INDEX, {
+        SAME_2: "rank 0, case 1 of 1 (3 Adam steps on 2 ranks, saved, 2 more after loading on 2): after load_shards, "
+                "the state of 0.weight holds exp_avg of shape [2, 6], its parameter has shape [6, 4]: " + OTHER_INDEX,
+        FEWER_3: "the state of 0.weight holds exp_avg of shape [6], its parameter has shape [6, 4]",
+        MORE_3: OTHER_INDEX,
+    }, id="zero-keyed-by-the-inner-index"),
+    # Right on the same ranks; on others, a rank owns parameters whose state another rank saved.
+    pytest.param(ZERO, answers.ZERO_OWN_FILE_ONLY, {
+        FEWER_3: "rank 0, case 1 of 2 (2 Adam steps on 3 ranks, saved, 2 more after loading on 2): after resuming, "
+                 "0.weight element [0, 0] is 0.398868, expected 0.398817: that is each rank reading only its own "
+                 "file: the owners change with the number of ranks (on 3, rank 0: 0.weight; rank 1: 2.weight; "
+                 "rank 2: 0.bias, 2.bias; on 2, rank 0: 0.weight; rank 1: 0.bias, 2.weight, 2.bias), so a rank "
+                 "needs the shares other ranks saved",
+        MORE_3: "that is each rank reading only its own file",
+    }, id="zero-each-rank-reads-its-own-file"),
+    pytest.param(ZERO, answers.ZERO_RANK_0_SAVES, {
+        name: "that is the state of rank 0's share alone: the parameters the other ranks owned resumed from zero "
+              "moments; every rank saves its own share" for name in (SAME_2, FEWER_3, MORE_3)
+    }, id="zero-rank-0-saves-alone"),
+    pytest.param(ZERO, answers.ZERO_LOADS_NOTHING, {
+        SAME_2: "rank 0, case 1 of 1 (3 Adam steps on 2 ranks, saved, 2 more after loading on 2): after resuming, "
+                "0.weight element [0, 0] is 0.132777, expected 0.120231: that is Adam resumed with no state at all",
+        FEWER_3: "that is Adam resumed with no state at all",
+        MORE_3: "that is Adam resumed with no state at all",
+    }, id="zero-loads-nothing"),
     pytest.param(ZERO1, answers.ZERO1_STEPS_EVERYTHING, {
         SHARE_2: "rank 0, case 1 of 2 (torch.optim.Adam(lr=0.01), 3 steps, 4 rows per rank per step): optim.state "
                  "holds 368 B, the state of every parameter: every rank steps everything, nothing is sharded; the "

@@ -147,6 +147,26 @@ def test_timeline_byte_labels_are_horizontal_readable_and_never_lost():
     assert len(long.lines) == 2  # nothing left out: no extra line
 
 
+def test_timeline_shades_a_lane_from_a_time_and_counts_the_calls_after_it():
+    """Lesson 03: each rank's lane shaded from when it ran out of data; its printed line counts the shadows."""
+    view = show_timeline(HAND, shade={0: (1.15, "out of data"), 7: (0.0, "no such rank")}, labels=False, quiet=True)
+    assert view.lines == ["rank 0: 7 calls, 841 B; 5 after 'out of data'",  # the calls at 1.2, 1.3, 2.1, 2.2, 2.3
+                          "rank 1: 7 calls, 841 B"]  # not shaded: the line as without `shade`
+    ax = view.fig.axes[0]
+    shaded = [p for p in ax.patches if p.get_zorder() == 0]
+    assert len(shaded) == 1 and abs(shaded[0].get_x() - 1150.0) < 1e-6  # ms from the origin, to the axis' end
+    assert abs(shaded[0].get_x() + shaded[0].get_width() - 3301.0) < 1e-6
+    assert [t.get_text() for t in ax.texts if "out of data" in t.get_text()] == [" out of data"]
+    late = show_timeline(HAND, shade={1: (3.29, "a label too long to fit after this point")}, labels=False, quiet=True)
+    late.fig.draw_without_rendering()
+    (text,) = late.fig.axes[0].texts
+    assert text.get_window_extent().x1 <= late.fig.axes[0].get_window_extent().x1 + 0.5  # ends at the axis' end
+    assert _render(view).startswith(b"\x89PNG")
+    assert show_timeline(HAND, quiet=True).lines == show_timeline(HAND, shade={}, quiet=True).lines
+    labelled = show_timeline(HAND, shade={1: (2.0, "later")}, quiet=True)  # with byte labels too
+    assert labelled.lines[0] == "rank 0: 7 calls, 841 B" and _render(labelled)
+
+
 def test_show_comm_axis_counts_in_a_unit_without_exponent():
     big = {r: [_entry(1, "barrier", 0, 0.0), _entry(2, "all_reduce", 45 << 20, 0.1)] for r in range(2)}
     view = show_comm(comm_table(big), [("all_reduce", 45 << 20)], quiet=True)

@@ -143,7 +143,7 @@ def _of_steps(entries: list[dict], steps: set[int]) -> list[dict]:
 
 def show_timeline(ledgers: dict[int, list[dict]], *, steps: list[int] | None = None, align: str = "clock",
                   labels: bool | None = None, title: str = "collectives per rank",
-                  quiet: bool = False) -> TimelineView:
+                  shade: dict[int, tuple[float, str]] | None = None, quiet: bool = False) -> TimelineView:
     """Draw each rank's calls on a shared time axis (ms); return a `TimelineView`.
 
     `steps`: only the calls of these steps (cut at world barriers, as
@@ -151,7 +151,11 @@ def show_timeline(ledgers: dict[int, list[dict]], *, steps: list[int] | None = N
     `align`: "clock" (one machine's shared monotonic clock, default), "first"
     (each rank from its own first call drawn) or "barrier" (each rank from the
     end of its first barrier). `labels`: bytes on each bar; default when no
-    rank has more than 30 calls drawn.
+    rank has more than 30 calls drawn. `shade`: {rank: (time, label)}, a time
+    in the ledger's clock (`time.monotonic()` on the rank) from which that
+    rank's lane is shaded and labelled (e.g. when it ran out of data: every
+    call after it is a shadow); the printed line of the rank counts the calls
+    that started after it.
     """
     if steps is not None:
         ledgers = {r: _of_steps(entries, set(steps)) for r, entries in ledgers.items()}
@@ -177,6 +181,16 @@ def show_timeline(ledgers: dict[int, list[dict]], *, steps: list[int] | None = N
         drawn.add(bar.op)
         if labels and bar.op != "barrier":
             to_label.append((bar, bar.start * 1e3, width))
+    shade = {r: mark for r, mark in (shade or {}).items() if r in origin}
+    shade_labels = []
+    for r, (at, text) in shade.items():
+        from matplotlib.patches import Rectangle
+
+        left = (at - origin[r]) * 1e3
+        ax.add_patch(Rectangle((left, r - 0.42), max(span * 1e3 - left, 0.0), 0.84, facecolor="#e6e6e6",
+                               edgecolor="#999999", linestyle="--", linewidth=0.6, zorder=0))
+        shade_labels.append(ax.text(left, r + 0.4, f" {text}", ha="left", va="bottom",
+                                    fontsize=LABEL_FONTSIZE - 1, color="#444444"))
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.set_ylim(max(ranks, default=0) + 0.6, -1.2)
     ax.set_xlabel(f"time (ms){' from first call' if align != 'barrier' else ' from first barrier'}; "
@@ -184,12 +198,24 @@ def show_timeline(ledgers: dict[int, list[dict]], *, steps: list[int] | None = N
     ax.set_title(title, fontsize=10)
     if drawn:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    if shade_labels:  # a label that would cross the axis' right end ends there instead
+        fig.draw_without_rendering()
+        renderer, right = fig.canvas.get_renderer(), ax.get_window_extent().x1
+        for label in shade_labels:
+            if label.get_window_extent(renderer).x1 > right:
+                label.set_x(ax.get_xlim()[1])
+                label.set_horizontalalignment("right")
     places = _place_labels(fig, ax, to_label) if to_label else {}
     calls = {r: sum(b.rank == r and b.op != "barrier" for b in bars) for r in ranks}
     lines = []
     for r in ranks:
+        after = ""
+        if r in shade:
+            at, text = shade[r]
+            late = sum(b.rank == r and b.op != "barrier" and b.start > at - origin[r] for b in bars)
+            after = f"; {late} after '{text}'"
         lines.append(f"rank {r}: {calls[r]} call{'' if calls[r] == 1 else 's'}, "
-                     f"{exact_bytes(sum(b.bytes for b in bars if b.rank == r))}")
+                     f"{exact_bytes(sum(b.bytes for b in bars if b.rank == r))}{after}")
         left_out = [b for b in bars if b.rank == r and places.get((r, b.seq)) == "left out"]
         if left_out:
             lines.append(_left_out_line(left_out))

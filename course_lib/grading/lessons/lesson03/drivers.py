@@ -1,7 +1,9 @@
 """The rank side of lesson 03: uneven inputs, Join, ZeRO: how each exercise calls the learner's function.
 
 Runs on the ranks, in the learner's process (see course_lib/grading/drivers.py for the rules
-every driver follows: copy the inputs, return plain data).
+every driver follows: copy the inputs, return plain data). The grading ranks form a gloo group on the
+CPU (rank_runner.py), even on a GPU node: the CPU is every rank's device here, so the models, batches and
+the checker's own tensors (its barriers' `torch.zeros(1)`) live there.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 from ...drivers import describe, refused
 from ..lesson02.drivers import _copies, mlp_from_weights
 
-__all__ = ['ddp_join_training', 'counting_joinable', 'zero_save', 'zero1_by_hand']
+__all__ = ['ddp_join_training', 'counting_joinable', 'zero_sharded_checkpoint', 'zero1_by_hand']
 
 
 class _JoinAwareAveraging:
@@ -120,55 +122,84 @@ def counting_joinable(fn: Callable, values: list) -> dict:
             "is_last_joiner": last if isinstance(last, bool) or last is None else describe(last)}
 
 
-def zero_save(fn: Callable, weights: list, steps: list, saved_after: int, lr: float, file_name: str) -> dict:
-    """DDP and ZeroRedundancyOptimizer(Adam, lr) take one step per (inputs, targets) of steps[:saved_after]
-    (this rank's rows), then fn(optimizer, path) saves (`path`: `file_name` in the run's working folder,
-    the same on every rank). The checker waits for every rank (an all-reduce of one value), builds a new
-    ZeroRedundancyOptimizer over the same parameters, calls the cell's load_optimizer(new, path) on every
-    rank and takes the remaining steps. Send back the bytes rank 0 found at `path` right after fn
-    returned, the parameters at the end, and load_optimizer's error, if it raised one."""
+def _state_mismatch(optimizer, model) -> str:
+    """The first state tensor of the inner optimizer whose shape is not its parameter's, in words; else ""."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, state in optimizer.optim.state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = state.get(key) if isinstance(state, dict) else None
+            if isinstance(value, torch.Tensor) and value.shape != p.shape:
+                return (f"the state of {names.get(id(p), 'a parameter')} holds {key} of shape {list(value.shape)}, "
+                        f"its parameter has shape {list(p.shape)}")
+    return ""
+
+
+def zero_sharded_checkpoint(fn: Callable, weights: list, before: list, after: list, world_save: int,
+                            world_load: int, lr: float, folder_name: str) -> dict:
+    """On ranks 0..world_save-1 (their own group, or the world): DDP and ZeroRedundancyOptimizer(Adam, lr) take
+    one step per (inputs, targets) of `before` (this rank's rows), then fn(optimizer, folder) saves (`folder`:
+    `folder_name` in the run's working folder, the same on every rank, empty). The checker waits for every
+    rank (an all-reduce of one value), then on ranks 0..world_load-1 builds a new DDP (its constructor
+    broadcasts rank 0's trained parameters) and ZeroRedundancyOptimizer, calls the cell's
+    load_shards(new, folder) and takes one step per pair of `after`. Send back when fn ran (its ledger
+    span), the parameters at the end, load_shards' error and a state tensor of the wrong shape, if any."""
     import os
+    import time
 
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # Every rank creates every group, in the same order (new_group's rule); the whole world is the default group.
+    groups = {n: None if n == world else dist.new_group(list(range(n))) for n in sorted({world_save, world_load})}
     model = mlp_from_weights(weights)
-    ddp_model = DistributedDataParallel(model)
-    ddp_model.register_comm_hook(dist.group.WORLD, allreduce_hook)  # the ledger records the all-reduces
+    folder = os.path.join(os.getcwd(), folder_name)
+    os.makedirs(folder, exist_ok=True)
 
-    def train(optimizer, pairs):
+    def build(n):
+        group = groups[n]
+        ddp_model = DistributedDataParallel(model, process_group=group)
+        ddp_model.register_comm_hook(group or dist.group.WORLD, allreduce_hook)  # the ledger records them
+        return ddp_model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam,
+                                                  process_group=group, lr=lr)
+
+    def train(ddp_model, optimizer, pairs):
         for inputs, targets in pairs:
             optimizer.zero_grad()
             torch.nn.functional.mse_loss(ddp_model(inputs), targets).backward()
             optimizer.step()
 
-    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=lr)
-    train(optimizer, steps[:saved_after])
-    path = os.path.join(os.getcwd(), file_name)
-    returned = fn(optimizer, path)
-    saved = None
-    if dist.get_rank() == 0 and os.path.isfile(path):
-        with open(path, "rb") as handle:
-            data = handle.read()
-        saved = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
-    dist.all_reduce(torch.zeros(1))  # the checker's barrier: rank 0's file is written before any rank loads
-    load = inspect.unwrap(fn).__globals__.get("load_optimizer")
-    if not callable(load):
-        return {"saved": saved, "returned": describe(returned), "params": _copies(dict(model.named_parameters())),
-                "load_error": "nothing: the cell defines no function load_optimizer(optimizer, path)"}
-    resumed = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=lr)
-    load_error = ""
-    with fn.learner_code():
-        try:
-            load(resumed, path)
-        except Exception as exc:  # noqa: BLE001 - reported by the judge of resuming; saving is judged apart
-            load_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    if not load_error:
-        train(resumed, steps[saved_after:])
-    return {"saved": saved, "returned": describe(returned), "params": _copies(dict(model.named_parameters())),
-            "load_error": load_error}
+    save_span, returned = None, None
+    if rank < world_save:
+        ddp_model, optimizer = build(world_save)
+        train(ddp_model, optimizer, before)
+        started = time.monotonic()
+        returned = fn(optimizer, folder)
+        save_span = (started, time.monotonic())
+        del ddp_model, optimizer  # DDP's reducer goes with it: the next DDP over the model is the only one
+    dist.all_reduce(torch.zeros(1))  # the checker's barrier: every file is written before any rank loads
+    result = {"save_span": save_span, "returned": describe(returned), "load_error": "", "shape_problem": ""}
+    if rank < world_load:
+        ddp_model, resumed = build(world_load)
+        load = inspect.unwrap(fn).__globals__.get("load_shards")
+        if not callable(load):
+            result["load_error"] = "nothing: the cell defines no function load_shards(optimizer, folder)"
+        else:
+            with fn.learner_code():
+                try:
+                    load(resumed, folder)
+                except Exception as exc:  # noqa: BLE001 - reported by the judges of resuming; saving is judged apart
+                    result["load_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if not result["load_error"]:
+            result["shape_problem"] = _state_mismatch(resumed, model)
+        # Train only if every resuming rank can: one rank training alone would wait for the others forever.
+        failed = torch.tensor([float(bool(result["load_error"] or result["shape_problem"]))])
+        dist.all_reduce(failed, group=groups[world_load])
+        if not failed.item():
+            train(ddp_model, resumed, after)
+    return {**result, "params": _copies(dict(model.named_parameters()))}
 
 
 def zero1_by_hand(fn: Callable, weights: list, steps: list, optimizer_name: str, defaults: dict) -> dict:

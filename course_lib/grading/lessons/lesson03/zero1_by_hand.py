@@ -155,12 +155,12 @@ ZERO1 = Exercise(
                  Item("parameters equal one process's SGD with momentum after 3 steps (2 ranks)", 1,
                       _params_equal("SGD")),
                  Item("each rank's optimizer state is its greedy share, in bytes (2 ranks)", 1, _sharded_state)),
-                timeout_s=10),
+                timeout_s=15),
         RunSpec(3, lambda n: _cases(n, [(37, 3, 2, 137, "Adam")]),
                 (Item("parameters equal one process's Adam after 3 steps, on every rank (3 ranks)", 1,
                       _params_equal("Adam")),
                  Item("each rank's optimizer state is its greedy share, in bytes (3 ranks)", 1, _sharded_state)),
-                timeout_s=10),
+                timeout_s=15),
     ),
     hints=(
         "Reread lesson 03, section 6 'ZeroRedundancyOptimizer: the optimizer's state, sharded' (which rank owns "
