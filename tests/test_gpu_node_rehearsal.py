@@ -95,6 +95,9 @@ for p in model.parameters():
 assert_close(model.weight.grad.cpu(), reference.weight.grad)   # compared on the CPU
 ddp = torch.nn.parallel.DistributedDataParallel(model)
 ddp(inputs[mine]).sum().backward()
+gloo = dist.new_group(backend="gloo")            # a group made for CPU tensors: right on a GPU node too
+dist.all_reduce(torch.ones(2), group=gloo)
+torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1), process_group=gloo)
 print("RIGHT", flush=True)
 """
 
@@ -208,3 +211,31 @@ def test_no_multi_rank_cell_writes_the_cpu_where_the_ranks_device_belongs(where,
 def test_a_cell_that_catches_a_collectives_error_runs_it_on_gloo_only(where, source):
     if CATCHES.search(source) and WAITS_FOR_A_PEER.search(source):
         assert "gloo" in source, f"{where} catches an error that NCCL's watchdog would turn into a crash: gate it"
+
+
+def test_the_rehearsals_frames_are_hidden_from_what_a_learner_sees():
+    from course_lib.launcher.rank_output import without_rehearsal
+
+    plain_stack = ('  File "torch/autograd/__init__.py", line 395 in backward\n'
+                   '  File "torch/_tensor.py", line 623 in backward\n'
+                   '  File "<cell>", line 16 in <module>\n')
+    rehearsed_stack = plain_stack.replace(
+        '  File "<cell>"',
+        '  File "course_lib/rank/rehearsal.py", line 157 in __torch_function__\n'
+        '  File "torch/overrides.py", line 1800 in handle_torch_function\n'
+        '  File "torch/_tensor.py", line 600 in backward\n'
+        '  File "<cell>"')
+    assert without_rehearsal(rehearsed_stack) == plain_stack
+    plain_traceback = ('Traceback (most recent call last):\n  File "<cell>", line 7, in <module>\n'
+                       '    loss.backward()\n  File "torch/_tensor.py", line 623, in backward\n'
+                       '    torch.autograd.backward(\nRuntimeError: boom\n')
+    rehearsed_traceback = plain_traceback.replace(
+        '  File "torch/_tensor.py", line 623',
+        '  File "torch/_tensor.py", line 600, in backward\n    return handle_torch_function(\n'
+        '           ^^^^^^^^^^^^^^^^^^^^^^\n'
+        '  File "torch/overrides.py", line 1800, in handle_torch_function\n'
+        '    result = mode.__torch_function__(public_api, types, args, kwargs)\n'
+        '  File "course_lib/rank/rehearsal.py", line 157, in __torch_function__\n'
+        '    out = func(*args, **kwargs)\n'
+        '  File "torch/_tensor.py", line 623')
+    assert without_rehearsal(rehearsed_traceback) == plain_traceback

@@ -58,9 +58,34 @@ _INSTALLED = re.compile(r'File "[^"]*/(?:site|dist)-packages/')
 _COURSE_ROOT = str(pathlib.Path(__file__).resolve().parents[2])  # the folder that holds course_lib/
 
 
+# The GPU-node rehearsal (course_lib/rank/rehearsal.py) sits between the program and torch under test:
+# its frames, and torch's dispatch to it, are not the learner's program. In a faulthandler stack
+# (most recent call first) its frame, then `handle_torch_function` and the frame that dispatched;
+# in a traceback (most recent call last) each frame with its indented source lines.
+_REHEARSAL_STACK = re.compile(
+    r'^[^\n]*File "[^"]*course_lib/rank/rehearsal\.py", line \d+ in [^\n]*\n'
+    r'(?:[^\n]*File "[^"]*torch/overrides\.py", line \d+ in handle_torch_function\n[^\n]*\n)?', re.M)
+_REHEARSAL_TRACEBACK = re.compile(
+    r'^([ \t]*)File "[^"]*(?:course_lib/rank/rehearsal\.py|torch/overrides\.py)", line \d+, in [^\n]*\n'
+    r'(?:\1[ \t]+[^\n]*\n)*', re.M)
+
+
+# ... and the frame that handed the call to it (its source line calls handle_torch_function).
+_DISPATCHING_FRAME = re.compile(
+    r'^([ \t]*)File "[^"]*", line \d+, in [^\n]*\n\1[ \t]+[^\n]*handle_torch_function\([^\n]*\n(?:\1[ \t]+[ ~^]+\n)?', re.M)
+
+
+def without_rehearsal(text: str) -> str:
+    """`text` without the GPU-node rehearsal's frames (the same output as an unrehearsed run)."""
+    if "rehearsal.py" not in text:
+        return text
+    return _DISPATCHING_FRAME.sub("", _REHEARSAL_TRACEBACK.sub("", _REHEARSAL_STACK.sub("", text)))
+
+
 def short_frames(text: str) -> str:
     """Traceback and stack frames named from their package down: `File "torch/..."`, `File "course_lib/..."`."""
-    return _INSTALLED.sub('File "', text).replace(f'File "{_COURSE_ROOT}/course_lib/', 'File "course_lib/')
+    text = _INSTALLED.sub('File "', text).replace(f'File "{_COURSE_ROOT}/course_lib/', 'File "course_lib/')
+    return without_rehearsal(text)
 
 
 def clean_paths(text: str, script_path: str, label: str = CELL_LABEL) -> str:

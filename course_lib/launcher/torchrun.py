@@ -30,7 +30,7 @@ from ..rank.ledger import read_ledger
 from . import watchdog
 from .diagnosis import collect, describe_stuck
 from .processes import ProcessTree, kill_marked, new_mark
-from .rank_output import LogFollower, clean_paths, clean_rank_text, parse_torchrun_failures
+from .rank_output import LogFollower, clean_paths, clean_rank_text, parse_torchrun_failures, without_rehearsal
 
 __all__ = ["LaunchResult", "TorchrunProcess", "resolve_backend", "run_torchrun", "torchrun_command"]
 
@@ -158,7 +158,7 @@ _RUNNER_FRAME = re.compile(r'^.*File "(?:[^"]*/)?%s".*\n?' % re.escape(CELL_RUNN
 def _as_the_cell(result: LaunchResult) -> LaunchResult:
     """What torchrun ran is the runner module, but the learner knows the program as the cell: say so."""
     result.agent_output = clean_paths(result.agent_output, CELL_RUNNER_MODULE)  # "<cell> FAILED"
-    result.stacks = {rank: _RUNNER_FRAME.sub("", stack) for rank, stack in result.stacks.items()}
+    result.stacks = {rank: without_rehearsal(_RUNNER_FRAME.sub("", stack)) for rank, stack in result.stacks.items()}
     return result
 
 

@@ -6,7 +6,8 @@ rank with `COURSE_REHEARSE_GPU_NODE=1`: the ranks still run gloo on CPU and prin
 output, and this module adds checks. Each failure raises `RehearsalError` in the rank, one line
 saying what NCCL or CUDA would do:
 
-1. **A collective on a tensor never put on the rank's device.** NCCL serves CUDA tensors only
+1. **A collective on a tensor never put on the rank's device** (on a group made with
+   `backend="gloo"`, CPU tensors are right: that is what such a group is for). NCCL serves CUDA tensors only
    ("No backend type associated with device type cpu"). A tensor counts as put on the device when
    it came from `.to(device)`/`.cuda()`, a factory called with `device=` the rank's device type,
    or an operation on such a tensor (the gradient of such a parameter included). Checked where the
@@ -197,9 +198,12 @@ def _check_collective(name: str, fn):
     checked = [p for p in ("tensor", "input_tensor", "input_tensor_list", "input_list", "input", "tensor_list",
                            "output_tensor", "output_tensor_list", "output", "output_list") if p in params]
 
+    group_index = params.index("group") if "group" in params else None
+
     @functools.wraps(fn)
     def rehearsed(*args, **kwargs):
-        if _caller_is_program(2):
+        group = args[group_index] if group_index is not None and group_index < len(args) else kwargs.get("group")
+        if _caller_is_program(2) and not _on_a_gloo_group(group):
             values = [args[params.index(p)] if params.index(p) < len(args) else kwargs.get(p) for p in checked]
             stray = [t for t in _tensors(values, []) if not on_device(t)]
             if stray:
@@ -214,6 +218,10 @@ def _check_collective(name: str, fn):
     return rehearsed
 
 
+def _on_a_gloo_group(group: Any) -> bool:
+    return group is not None and any(group is made for made in _GLOO_GROUPS)
+
+
 def _check_ddp() -> None:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -224,7 +232,8 @@ def _check_ddp() -> None:
     @functools.wraps(original)
     def __init__(self, module, *args, **kwargs):
         stray = [name for name, p in module.named_parameters() if not on_device(p)]
-        if stray and _caller_is_program(2):
+        group = kwargs.get("process_group", args[5] if len(args) > 5 else None)
+        if stray and _caller_is_program(2) and not _on_a_gloo_group(group):
             raise RehearsalError(
                 f"GPU-node rehearsal: DistributedDataParallel around a module whose parameter {stray[0]!r} is on the "
                 "CPU; under NCCL its first broadcast raises 'No backend type associated with device type cpu': move the "
@@ -254,6 +263,7 @@ def _parameters_keep_the_mark() -> None:
     torch.nn.Parameter.__new__ = __new__
 
 
+_GLOO_GROUPS: list = []  # groups the program made with backend="gloo": CPU tensors belong there
 _new_group_count = 0
 _bound = False  # the program bound the default group to its device (init_process_group(device_id=...))
 _new_group_lock = threading.Lock()
@@ -280,7 +290,11 @@ def _eager_new_group(fn):
             if store.add(key, 1) == dist.get_world_size():
                 store.set(key + "/all", "1")
             store.wait([key + "/all"])
-        return fn(*args, **kwargs)
+        group = fn(*args, **kwargs)
+        backend = kwargs.get("backend", args[2] if len(args) > 2 else None)
+        if backend is not None and "gloo" in str(backend).lower() and "nccl" not in str(backend).lower():
+            _GLOO_GROUPS.append(group)  # made for CPU tensors on purpose: gloo on a GPU node too
+        return group
 
     new_group.__course_lib_rehearsed__ = True
     _WRAPPER_CODE.add(new_group.__code__)
