@@ -149,7 +149,7 @@ def grid_groups(rows: int, cols: int):
 GRID_SWAPPED = GRID_SOLUTION.replace("return row_group, col_group", "return col_group, row_group")
 
 # Rank 0 waits for a message nobody sends after creating the groups: ranks 1-3 return them and wait
-# in the checker's all_reduce over each (drivers.process_groups).
+# in the checker's all_gather_object of every rank's group names (drivers.process_groups).
 GRID_RANK_0_STUCK = GRID_SOLUTION.replace("    return row_group, col_group", """\
     if rank == 0:
         import torch
@@ -169,3 +169,8 @@ def grid_groups(rows, cols):
     col_group = dist.new_group([r * cols + col for r in range(rows)], use_local_synchronization=True)
     return row_group, col_group
 '''
+
+# The classic mistake: a plain new_group for this rank's own row and column only. gloo names such groups by a
+# per-process counter, so [0, 1] and [2, 3] share a name and gloo would pair their ranks: a hang or a wrong sum
+# from run to run. The check finds the shared name before using the groups, so it fails the same way every time.
+GRID_OWN_GROUPS_PLAIN = GRID_OWN_GROUPS_ONLY.replace(", use_local_synchronization=True", "")

@@ -290,6 +290,13 @@ def _groups_work(outcome: RunOutcome) -> list[str]:
         for rank, result in by_rank.items():
             for kind in ("row", "col"):
                 part = result.output.get(kind, {})
+                if "same_name" in part:
+                    other = part["same_name"]
+                    return [f"rank {rank} of a {rows}x{cols} grid: its {'row' if kind == 'row' else 'column'} group {part['members']} has the same name "
+                            f"({other['name']!r}) as the group {other['members']} that rank {other['rank']} created, so "
+                            "gloo would connect the ranks of both as one group (a hang or a wrong sum, depending on "
+                            "timing; the check did not use it). A plain new_group names each group by how many groups "
+                            "this process has created so far (lesson 01, section 6)"]
                 if "sum" not in part:
                     return [f"rank {rank} of a {rows}x{cols} grid: no usable {kind} group to all_reduce over"]
                 expected = sum(_expected_members(kind, rank, rows, cols))
