@@ -143,8 +143,8 @@ CLIP = Exercise(
                  Item("an SGD step then gives one process's parameters (3 ranks)", 1, _step_judge)), timeout_s=10),
     ),
     hints=(
-        "Reread lesson 04, section 11 'Gradient clipping under sharding' (what each rank's norm is, and how the"
-        " ranks' norms make the whole one).",
+        "Reread lesson 04, section 10 'Accumulation with no_sync, and clipping' (what each rank's norm is, and how"
+        " the ranks' norms make the whole one).",
         "torch.linalg.vector_norm (or Tensor.square and sum) on each local gradient, torch.distributed.all_reduce"
         " with its default op, and Tensor.mul_.",
         "The squares of all the model's gradient elements are spread over the ranks, each element on exactly one"

@@ -15,11 +15,20 @@ from ...drivers import describe, refused
 __all__ = ['wrap_model', 'toy_from_weights', 'fsdp_wrap_policy', 'fsdp_flat_shard', 'fsdp_clip', 'fsdp_save', 'fsdp_memory']
 
 
+def _device() -> torch.device:
+    """This rank's device: the CPU under gloo (the grader's ranks), the current GPU under NCCL."""
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":  # NCCL serves CUDA tensors only
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _fsdp(model: torch.nn.Module, **kwargs):
-    """FSDP1 (FULL_SHARD, use_orig_params=False: its defaults) over the default group, on the CPU."""
+    """FSDP1 (FULL_SHARD, use_orig_params=False: its defaults) over the default group, on this rank's device."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    return FSDP(model, device_id=torch.device("cpu"), **kwargs)  # without device_id FSDP1 asks for a GPU
+    return FSDP(model, device_id=_device(), **kwargs)  # moves the model there; on a CPU FSDP1 needs it said
 
 
 def wrap_model(sizes: dict) -> torch.nn.Module:
@@ -60,14 +69,15 @@ def _full_params(fsdp_model) -> dict:
     from ....measure.sharding import clean_name
 
     with FSDP.summon_full_params(fsdp_model, writeback=False):
-        return {clean_name(n): p.detach().clone() for n, p in fsdp_model.named_parameters()}
+        return {clean_name(n): p.detach().cpu().clone() for n, p in fsdp_model.named_parameters()}
 
 
 def _sgd(fsdp_model, steps: list, lr: float) -> None:
     optimizer = torch.optim.SGD(fsdp_model.parameters(), lr=lr)
+    device = _device()
     for inputs, targets in steps:
         optimizer.zero_grad()
-        torch.nn.functional.mse_loss(fsdp_model(inputs), targets).backward()
+        torch.nn.functional.mse_loss(fsdp_model(inputs.to(device)), targets.to(device)).backward()
         optimizer.step()
 
 
@@ -127,7 +137,7 @@ def _flat_units(fsdp_model) -> list:
     handles = [m._handle for m in fsdp_model.modules() if isinstance(m, FSDP) and m._handle is not None]
     for flat, handle in zip(flats, handles):  # both in named_modules order
         grad = handle.flat_param.grad
-        flat["grad"] = None if grad is None else grad.detach().clone()
+        flat["grad"] = None if grad is None else grad.detach().cpu().clone()
     return flats
 
 
@@ -150,7 +160,8 @@ def fsdp_clip(fn: Callable, sizes: dict, weights: dict, inputs: torch.Tensor, ta
     from ....models import Block
 
     fsdp_model = _fsdp(toy_from_weights(sizes, weights), auto_wrap_policy=ModuleWrapPolicy({Block}))
-    torch.nn.functional.mse_loss(fsdp_model(inputs), targets).backward()
+    device = _device()
+    torch.nn.functional.mse_loss(fsdp_model(inputs.to(device)), targets.to(device)).backward()
     local = torch.stack([p.grad.double().square().sum() for p in fsdp_model.parameters()]).sum().sqrt()
     with refused(*_BUILT_HERE):
         returned = fn(fsdp_model, max_norm)
@@ -282,7 +293,8 @@ def fsdp_memory(fn: Callable, units: list, strategy: str, optimizer: str) -> dic
              "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1)}[optimizer]
     returned = fn([[tuple(shape) for shape in shapes] for shapes in units], strategy, dist.get_world_size(), optimizer)
     generator = torch.Generator().manual_seed(dist.get_rank())
-    batch = (torch.randn(2, 3, generator=generator), torch.randn(2, 3, generator=generator))
+    device = _device()
+    batch = (torch.randn(2, 3, generator=generator).to(device), torch.randn(2, 3, generator=generator).to(device))
     measured = measure_step(fsdp_model, build(fsdp_model.parameters()), batch, torch.nn.functional.mse_loss,
                             strategy="fsdp1")["phases"]["step"]
     if isinstance(returned, dict) and all(isinstance(v, int) and not isinstance(v, bool) for v in returned.values()):

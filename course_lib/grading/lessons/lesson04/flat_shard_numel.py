@@ -119,7 +119,7 @@ FLAT_SHARD = Exercise(
     ),
     hints=(
         "Reread lesson 04, section 4 'The FlatParameter: flattened, padded, split': the pad column, and the "
-        "paragraph on use_orig_params=True after the table.",
+        "paragraph on use_orig_params=True after the table (the options appendix, section 1, shows it).",
         "No torch call is needed, only integer arithmetic; FSDP1 builds the layout in "
         "FlatParamHandle._init_flat_param_and_metadata (torch/distributed/fsdp/_flat_param.py).",
         "Lay the parameters end to end in order, moving each one's start forward to the next 16-byte boundary "

@@ -153,8 +153,8 @@ FULL_STATE_DICT = Exercise(
                 timeout_s=10),
     ),
     hints=(
-        "Reread lesson 04, section 9 'State dicts' (the FULL kind, rank0_only, and who must call "
-        "state_dict()).",
+        "Reread lesson 04, section 9 'State dicts: the checkpoints you save' (the FULL kind, rank0_only, and who "
+        "must call state_dict()).",
         "FullyShardedDataParallel.state_dict_type with StateDictType.FULL_STATE_DICT and FullStateDictConfig "
         "(rank0_only; offload_to_cpu only from a GPU); torch.save.",
         "Building the full state dict all-gathers every unit, so every rank builds it; only rank 0 then holds"

@@ -139,8 +139,8 @@ WRAP_POLICY = Exercise(
                 timeout_s=10),
     ),
     hints=(
-        "Reread lesson 04, section 6 'Wrap policies' (the custom policy, and how FSDP walks the module tree "
-        "asking it).",
+        "Reread lesson 04, section 6 'Wrap policies and the peak' (the custom policy, and how FSDP walks the "
+        "module tree asking it).",
         "A callable auto_wrap_policy(module, recurse, nonwrapped_numel), as FullyShardedDataParallel calls "
         "it; isinstance with course_lib.models.Block and torch.nn.Linear.",
         "FSDP asks about each module twice: first whether to look inside it (it must look everywhere to reach"
