@@ -23,7 +23,7 @@ import re
 import signal
 import time
 
-from ..rank import ledger
+from ..rank import ledger, rehearsal
 from ..rank.contract import CELL_LABEL, SCRIPT_NAME, ledger_file, stacks_file
 from ..units import binary_bytes
 from . import pool_worker
@@ -42,7 +42,7 @@ def _module_path(module) -> str:
 
 # Frames that are this library's, not the learner's: the ledger's wrapper, the pool worker's loop, runpy.
 _OURS = re.compile(r'File "(?:(?:[^"]*/)?(?:%s)|<frozen runpy>)"' % "|".join(
-    re.escape(_module_path(m)) for m in (ledger, pool_worker)))
+    re.escape(_module_path(m)) for m in (ledger, pool_worker, rehearsal)))
 _CELL_FRAME = re.compile(r'File "(?:%s|[^"]*%s)", line (\d+)' % (re.escape(CELL_LABEL), re.escape(SCRIPT_NAME)))
 
 

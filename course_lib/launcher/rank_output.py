@@ -75,11 +75,34 @@ _DISPATCHING_FRAME = re.compile(
     r'^([ \t]*)File "[^"]*", line \d+, in [^\n]*\n\1[ \t]+[^\n]*handle_torch_function\([^\n]*\n(?:\1[ \t]+[ ~^]+\n)?', re.M)
 
 
+_STACK_FRAME = re.compile(r'File "([^"]*)", line \d+ in (\S+)')
+
+
+def _without_redispatch(text: str) -> str:
+    """A faulthandler stack without torch's dispatch to a mode: `handle_torch_function` and, below it,
+    the frames that repeat the ones above it (the public function called again by the mode)."""
+    lines = text.splitlines(keepends=True)
+    kept: list[str] = []
+    index = 0
+    while index < len(lines):
+        line = lines[index]
+        if 'torch/overrides.py"' in line and "in handle_torch_function" in line:
+            above = {m.groups() for m in map(_STACK_FRAME.search, kept) if m}
+            index += 1
+            while index < len(lines) and (m := _STACK_FRAME.search(lines[index])) and m.groups() in above:
+                index += 1
+            continue
+        kept.append(line)
+        index += 1
+    return "".join(kept)
+
+
 def without_rehearsal(text: str) -> str:
     """`text` without the GPU-node rehearsal's frames (the same output as an unrehearsed run)."""
-    if "rehearsal.py" not in text:
+    if "rehearsal.py" not in text and "handle_torch_function" not in text:
         return text
-    return _DISPATCHING_FRAME.sub("", _REHEARSAL_TRACEBACK.sub("", _REHEARSAL_STACK.sub("", text)))
+    text = _DISPATCHING_FRAME.sub("", _REHEARSAL_TRACEBACK.sub("", _REHEARSAL_STACK.sub("", text)))
+    return _without_redispatch(text)
 
 
 def short_frames(text: str) -> str:

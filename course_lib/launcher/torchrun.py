@@ -30,6 +30,7 @@ from ..rank.ledger import read_ledger
 from . import watchdog
 from .diagnosis import collect, describe_stuck
 from .processes import ProcessTree, kill_marked, new_mark
+from ..rank.rehearsal import ENV_REHEARSE
 from .rank_output import LogFollower, clean_paths, clean_rank_text, parse_torchrun_failures, without_rehearsal
 
 __all__ = ["LaunchResult", "TorchrunProcess", "resolve_backend", "run_torchrun", "torchrun_command"]
@@ -97,6 +98,10 @@ def _child_env(choice: BackendChoice, results_dir: pathlib.Path, mark: str) -> d
     env.setdefault("OMP_NUM_THREADS", "1")  # also silences torchrun's 4-line warning
     env["PYTHONUNBUFFERED"] = "1"  # lines reach the log files (and the live view) at once
     env[ENV_BACKEND] = choice.backend
+    if choice.backend == "gloo" and choice.reason.startswith("asked for"):
+        # A cell that asks for gloo keeps its tensors on the CPU on purpose, on a GPU node too:
+        # nothing to rehearse (rank/rehearsal.py).
+        env.pop(ENV_REHEARSE, None)
     env[ENV_DEVICE] = choice.device_type
     env[ENV_RESULTS_DIR] = str(results_dir)
     # Ranks import the same course_lib as the kernel, installed or not.

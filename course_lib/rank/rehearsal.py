@@ -16,7 +16,8 @@ saying what NCCL or CUDA would do:
 3. **An operation in the program that mixes a tensor on the device with one that is not** (other
    than a 0-dim scalar, or a copy): CUDA raises "Expected all tensors to be on the same device".
    `torch.testing.assert_close` of a device tensor against a CPU one fails on CUDA too (on `device`).
-4. **`new_group` under a default group bound to a device** (`init_process_group(device_id=...)`):
+4. **`new_group` under a default group bound to a device** (`init_process_group(device_id=...)` on a GPU;
+   here `rehearse_a_bound_device()` stands for it, since gloo refuses a CPU `device_id`):
    NCCL then creates sub-groups with `ncclCommSplit`, which every rank of the default group enters,
    members or not (torch's `_new_process_group_helper`). Here `new_group` waits until every rank
    has entered it, so a pattern that deadlocks on a GPU node deadlocks here too, and the cell's
@@ -38,7 +39,8 @@ from typing import Any
 ENV_REHEARSE = "COURSE_REHEARSE_GPU_NODE"
 _MARK = "_course_on_device"  # attribute set on a tensor that is on the rank's device
 
-__all__ = ["ENV_REHEARSE", "RehearsalError", "enabled", "install", "install_after_init", "on_device"]
+__all__ = ["ENV_REHEARSE", "RehearsalError", "enabled", "install", "install_after_init", "on_device",
+           "rehearse_a_bound_device"]
 
 
 class RehearsalError(RuntimeError):
@@ -112,14 +114,26 @@ def _is_program(filename: str) -> bool:
 
 
 def _caller_is_program(skip: int) -> bool:
-    """Whether the nearest frame outside this module and torch's pass-through wrappers is the program's."""
+    """Whether the nearest frame outside this module and torch's pass-through wrappers is the program's,
+    and the program is not running as a callback from torch (an FSDP or DDP communication hook):
+    the tensors torch hands a hook are on the device torch chose, and their history is torch's."""
     frame = sys._getframe(skip)
     while frame is not None:
         name = frame.f_code.co_filename.replace(os.sep, "/")
         if name != __file__.replace(os.sep, "/") and not any(part in name for part in _PASS_THROUGH):
-            return _is_program(frame.f_code.co_filename)
+            if not _is_program(frame.f_code.co_filename):
+                return False
+            break
         frame = frame.f_back
-    return False
+    if frame is None:
+        return False
+    caller = frame.f_back
+    while caller is not None:
+        name = caller.f_code.co_filename.replace(os.sep, "/")
+        if "/torch/" in name and not any(part in name for part in _PASS_THROUGH):
+            return False  # called back from torch
+        caller = caller.f_back
+    return True
 
 
 # --- placement, followed through every operation -------------------------------------------------
@@ -154,6 +168,11 @@ def _placement_mode(device_type: str):
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            if getattr(func, "__course_lib_rehearsed__", False):
+                # A collective dispatched to this mode comes back through the module's name, which
+                # our wrappers hold: call torch's own function, so the ledger records a call once
+                # and `dist.all_reduce.__wrapped__` stays unrecorded (lesson 01 times it).
+                func = func.__wrapped__
             out = func(*args, **kwargs)
             if func is tensor_to:
                 target = kwargs.get("device")
@@ -214,6 +233,8 @@ def _check_collective(name: str, fn):
         return fn(*args, **kwargs)
 
     rehearsed.__course_lib_rehearsed__ = True
+    # `dist.all_reduce.__wrapped__` stays torch's own function, as under the ledger alone (lesson 01 times it).
+    rehearsed.__wrapped__ = getattr(fn, "__wrapped__", fn)
     _WRAPPER_CODE.add(rehearsed.__code__)
     return rehearsed
 
@@ -341,6 +362,13 @@ def install(device_type: str = "cpu") -> None:
     _placement_mode(device_type).__enter__()  # for the rest of the process
 
 
+def rehearse_a_bound_device() -> None:
+    """Treat the default group as bound to its device, as `init_process_group(device_id=cuda:N)` binds it
+    on a GPU node (the CPU cannot be bound: gloo refuses it): from now on `new_group` waits for every rank."""
+    global _bound
+    _bound = True
+
+
 def install_after_init() -> None:
     """Under the rehearsal, start it when the program's `init_process_group` returns (idempotent).
 
@@ -358,13 +386,6 @@ def install_after_init() -> None:
 
     @functools.wraps(original)
     def init_process_group(*args, **kwargs):
-        global _bound
-        device_id = kwargs.get("device_id")
-        if device_id is not None and _device_type(device_id) == "cpu":
-            # The program binds its device (cuda:LOCAL_RANK on a GPU node, the CPU here, which gloo
-            # refuses as a device_id): rehearse the binding's effect on new_group instead.
-            kwargs.pop("device_id")
-            _bound = True
         result = original(*args, **kwargs)
         install()
         return result

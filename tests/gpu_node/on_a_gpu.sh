@@ -25,7 +25,7 @@ step nccl_facts 60 python3 -m torch.distributed.run --standalone --nproc-per-nod
 grep -h "FACT" "$OUT/nccl_facts.log"
 step lesson00_nbval 150 python3 -m pytest -p no:cacheprovider -q --nbval notebooks/00_setup.ipynb
 tail -3 "$OUT/lesson00_nbval.log"
-step grader_solutions 150 python3 -m course_lib.grade solutions/ --out "$OUT/grades" --jobs 4
+step grader_solutions 120 python3 -m course_lib.grade solutions/ --out "$OUT/grades" --jobs 8
 tail -8 "$OUT/grader_solutions.log"
-step one_rank_nccl 170 python3 tests/gpu_node/one_rank_nccl.py notebooks/00_setup.ipynb notebooks/01_process_groups.ipynb notebooks/02_ddp.ipynb notebooks/05_fsdp2.ipynb notebooks/04_fsdp1.ipynb notebooks/03_join.ipynb
+step one_rank_nccl 200 python3 tests/gpu_node/one_rank_nccl.py notebooks/00_setup.ipynb notebooks/01_process_groups.ipynb notebooks/02_ddp.ipynb notebooks/05_fsdp2.ipynb notebooks/04_fsdp1.ipynb notebooks/03_join.ipynb
 cat "$OUT/one_rank_nccl.log"
