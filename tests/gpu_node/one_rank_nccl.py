@@ -29,7 +29,7 @@ for path in sys.argv[1:]:
         cell.outputs, cell.execution_count = [], None  # a cell the run never reached shows "not run"
         if MULTI.match(source.lstrip()) or "%dist start" in source:
             marked.append(index)
-    client = NotebookClient(nb, timeout=90, kernel_name="python3", allow_errors=True,
+    client = NotebookClient(nb, timeout=45, kernel_name="python3", allow_errors=True,
                             resources={"metadata": {"path": "notebooks"}})
     try:
         client.execute()
