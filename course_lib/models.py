@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["Block", "ToyModel", "make_batch", "make_batches", "make_mlp", "make_model", "toy_batch", "toy_model"]
+__all__ = ["LLAMA_CONFIG", "Block", "ToyModel", "make_batch", "make_batches", "make_llama", "make_mlp", "make_model",
+           "make_tokens", "toy_batch", "toy_model"]
 
 
 class Block(nn.Module):
@@ -84,3 +85,23 @@ def make_batch(n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """Lessons 04-05's data: `n` (inputs, targets) rows from seed 1; ranks take their rows of it."""
     generator = torch.Generator().manual_seed(1)
     return torch.randn(n, 8, generator=generator), torch.randn(n, 4, generator=generator)
+
+
+# --- a tiny transformers Llama (lessons 06-07, launch/train.py): built from a config, no download ----------
+# 4 attention heads and 2 KV heads (grouped-query attention), so tensor parallelism over 2 ranks divides both.
+
+LLAMA_CONFIG = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+
+
+def make_llama(seed: int = 0, **overrides):
+    """A `LlamaForCausalLM` from `LLAMA_CONFIG` (plus `overrides`), random weights from `seed`, on CPU."""
+    from transformers import LlamaConfig, LlamaForCausalLM  # imported here: transformers is slow to import
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**{**LLAMA_CONFIG, **overrides}))
+
+
+def make_tokens(batch: int = 8, seq: int = 16, *, seed: int = 3, vocab_size: int = LLAMA_CONFIG["vocab_size"]) -> torch.Tensor:
+    """Synthetic token ids (batch, seq) from `seed`, the same in every process that asks."""
+    return torch.randint(0, vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
