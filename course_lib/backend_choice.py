@@ -23,6 +23,9 @@ class BackendChoice:
     backend: str  # "gloo" or "nccl"
     device_type: str  # "cpu" or "cuda"
     reason: str  # why, in plain words, for the first output line
+    # What the caller asked for ("auto", "gloo", "nccl"): a cell that asked for gloo keeps its tensors on
+    # the CPU on purpose, so the GPU-node rehearsal leaves it alone (launcher/torchrun.py).
+    requested: str = "auto"
 
     def header(self, nproc: int, tag: str = "torchrun") -> str:
         """The first line a multi-rank cell prints: world size, backend, device, why."""
@@ -50,14 +53,14 @@ def choose_backend(nproc: int, requested: str = "auto", *, gpus: int | None = No
     gpu_word = "GPU" if gpus == 1 else "GPUs"
 
     if requested == "gloo":
-        return BackendChoice("gloo", "cpu", "asked for gloo")
+        return BackendChoice("gloo", "cpu", "asked for gloo", requested="gloo")
     if requested == "nccl":
         if gpus < nproc:
             raise BackendError(
                 f"--backend nccl needs one GPU per rank: {nproc} ranks asked, {gpus} {gpu_word} found; "
                 "use --backend gloo (or auto)"
             )
-        return BackendChoice("nccl", "cuda", f"asked for nccl, {gpus} {gpu_word} found, one per rank")
+        return BackendChoice("nccl", "cuda", f"asked for nccl, {gpus} {gpu_word} found, one per rank", requested="nccl")
     # auto
     if gpus == 0:
         return BackendChoice("gloo", "cpu", "no CUDA GPU found")

@@ -40,7 +40,7 @@ def test_auto_with_a_gpu_per_rank_is_nccl_on_cuda(nproc, gpus, reason):
 
 @pytest.mark.parametrize("gpus", [0, 1, 8])
 def test_explicit_gloo_is_always_cpu(gpus):
-    assert choose_backend(4, "gloo", gpus=gpus) == BackendChoice("gloo", "cpu", "asked for gloo")
+    assert choose_backend(4, "gloo", gpus=gpus) == BackendChoice("gloo", "cpu", "asked for gloo", requested="gloo")
 
 
 def test_explicit_nccl_with_enough_gpus():

@@ -253,3 +253,19 @@ def test_a_cell_that_asks_for_gloo_keeps_the_cpu_and_is_not_rehearsed():
     # `%%torchrun --backend gloo` is gloo on a GPU node too: CPU tensors are right there.
     run = launch(OLD_00_CELLS_26_28, 2, timeout_s=60, backend="gloo")
     assert run.result.ok, _rank_errors(run)[-2000:]
+
+
+def test_only_a_launch_that_asked_for_gloo_drops_the_rehearsal(monkeypatch, tmp_path):
+    # `%%torchrun --backend gloo` and `%dist start --backend gloo` (the pool starts its ranks through the
+    # same TorchrunProcess) ask for the CPU; auto's gloo on a CPU machine and the grader's ranks do not.
+    from course_lib.backend_choice import choose_backend
+    from course_lib.grading.rank_set import GLOO
+    from course_lib.launcher.torchrun import _child_env
+    from course_lib.rank.rehearsal import ENV_REHEARSE
+
+    monkeypatch.setenv(ENV_REHEARSE, "1")
+    asked = _child_env(choose_backend(2, "gloo", gpus=4), tmp_path, "mark")
+    auto = _child_env(choose_backend(2, "auto", gpus=0), tmp_path, "mark")
+    grading = _child_env(GLOO, tmp_path, "mark")
+    assert ENV_REHEARSE not in asked
+    assert auto[ENV_REHEARSE] == "1" and grading[ENV_REHEARSE] == "1"

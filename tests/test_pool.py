@@ -213,7 +213,7 @@ def test_the_backend_is_decided_once():
     """A BackendChoice (the magic's, printed in its header; a restarted pool's) is used as is; a name is decided."""
     given = BackendChoice("gloo", "cpu", "decided by the caller")
     assert Pool(2, given).choice is given
-    assert Pool(2, "gloo").choice == BackendChoice("gloo", "cpu", "asked for gloo")
+    assert Pool(2, "gloo").choice == BackendChoice("gloo", "cpu", "asked for gloo", requested="gloo")
     with pytest.raises(BackendError, match="unknown backend"):
         Pool(2, "mpi")
 

@@ -98,7 +98,7 @@ def _child_env(choice: BackendChoice, results_dir: pathlib.Path, mark: str) -> d
     env.setdefault("OMP_NUM_THREADS", "1")  # also silences torchrun's 4-line warning
     env["PYTHONUNBUFFERED"] = "1"  # lines reach the log files (and the live view) at once
     env[ENV_BACKEND] = choice.backend
-    if choice.backend == "gloo" and choice.reason.startswith("asked for"):
+    if choice.requested == "gloo":
         # A cell that asks for gloo keeps its tensors on the CPU on purpose, on a GPU node too:
         # nothing to rehearse (rank/rehearsal.py).
         env.pop(ENV_REHEARSE, None)
