@@ -18,7 +18,18 @@ import importlib
 import inspect
 from typing import Any, Callable
 
-__all__ = ["describe", "driver_for", "drivers_module", "refused"]
+__all__ = ["describe", "driver_for", "drivers_module", "rank_device", "refused"]
+
+
+def rank_device():
+    """The device this rank's models, batches and meshes go to: its current GPU under NCCL (which serves CUDA
+    tensors only), else the CPU (the grader's ranks always run gloo). What a driver sends back goes to the CPU."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def describe(value: Any) -> str:

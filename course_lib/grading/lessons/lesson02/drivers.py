@@ -16,20 +16,9 @@ from typing import Callable
 
 import torch
 
-from ...drivers import describe
+from ...drivers import describe, rank_device
 
-__all__ = ['mlp_from_weights', 'in_place_list', 'ddp_accumulation', 'ddp_comm_hook', 'ddp_from_scratch',
-           'rank_device']
-
-
-def rank_device() -> torch.device:
-    """The device this rank's tensors live on: its current GPU under NCCL (which serves CUDA tensors only),
-    else the CPU."""
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+__all__ = ['mlp_from_weights', 'in_place_list', 'ddp_accumulation', 'ddp_comm_hook', 'ddp_from_scratch']
 
 
 def _to(pairs: list, device: torch.device) -> list:

@@ -10,25 +10,16 @@ from typing import Callable
 
 import torch
 
-from ...drivers import describe, refused
+from ...drivers import describe, rank_device, refused
 
 __all__ = ['wrap_model', 'toy_from_weights', 'fsdp_wrap_policy', 'fsdp_flat_shard', 'fsdp_clip', 'fsdp_save', 'fsdp_memory']
-
-
-def _device() -> torch.device:
-    """This rank's device: the CPU under gloo (the grader's ranks), the current GPU under NCCL."""
-    import torch.distributed as dist
-
-    if dist.get_backend() == "nccl":  # NCCL serves CUDA tensors only
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _fsdp(model: torch.nn.Module, **kwargs):
     """FSDP1 (FULL_SHARD, use_orig_params=False: its defaults) over the default group, on this rank's device."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    return FSDP(model, device_id=_device(), **kwargs)  # moves the model there; on a CPU FSDP1 needs it said
+    return FSDP(model, device_id=rank_device(), **kwargs)  # moves the model there; on a CPU FSDP1 needs it said
 
 
 def wrap_model(sizes: dict) -> torch.nn.Module:
@@ -74,7 +65,7 @@ def _full_params(fsdp_model) -> dict:
 
 def _sgd(fsdp_model, steps: list, lr: float) -> None:
     optimizer = torch.optim.SGD(fsdp_model.parameters(), lr=lr)
-    device = _device()
+    device = rank_device()
     for inputs, targets in steps:
         optimizer.zero_grad()
         torch.nn.functional.mse_loss(fsdp_model(inputs.to(device)), targets.to(device)).backward()
@@ -160,7 +151,7 @@ def fsdp_clip(fn: Callable, sizes: dict, weights: dict, inputs: torch.Tensor, ta
     from ....models import Block
 
     fsdp_model = _fsdp(toy_from_weights(sizes, weights), auto_wrap_policy=ModuleWrapPolicy({Block}))
-    device = _device()
+    device = rank_device()
     torch.nn.functional.mse_loss(fsdp_model(inputs.to(device)), targets.to(device)).backward()
     local = torch.stack([p.grad.double().square().sum() for p in fsdp_model.parameters()]).sum().sqrt()
     with refused(*_BUILT_HERE):
@@ -293,7 +284,7 @@ def fsdp_memory(fn: Callable, units: list, strategy: str, optimizer: str) -> dic
              "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1)}[optimizer]
     returned = fn([[tuple(shape) for shape in shapes] for shapes in units], strategy, dist.get_world_size(), optimizer)
     generator = torch.Generator().manual_seed(dist.get_rank())
-    device = _device()
+    device = rank_device()
     batch = (torch.randn(2, 3, generator=generator).to(device), torch.randn(2, 3, generator=generator).to(device))
     measured = measure_step(fsdp_model, build(fsdp_model.parameters()), batch, torch.nn.functional.mse_loss,
                             strategy="fsdp1")["phases"]["step"]

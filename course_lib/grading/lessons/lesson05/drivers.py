@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from ...drivers import describe
+from ...drivers import describe, rank_device
 
 __all__ = ["fsdp2_accumulation", "fsdp2_hsdp", "fsdp2_meta_init", "fsdp2_shard", "placements_of", "toy_from_weights",
            "two_layers", "zero3_linear"]
@@ -26,23 +26,12 @@ def toy_from_weights(sizes: dict, weights: dict) -> torch.nn.Module:
     return model
 
 
-def _device() -> torch.device:
-    """The device the default group's collectives serve: the CPU under gloo (the checker's ranks always run
-    gloo), this rank's GPU under NCCL. Models, batches and meshes go there; what a driver sends back is moved
-    to the CPU."""
-    import torch.distributed as dist
-
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _mesh_1d() -> object:
     """A 1-D mesh of every rank on the group's device (named: with gloo, a GPU's mesh would fail, pytorch#132471)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(_device().type, (dist.get_world_size(),))
+    return init_device_mesh(rank_device().type, (dist.get_world_size(),))
 
 
 def _shard_toy(model: torch.nn.Module) -> None:
@@ -130,7 +119,7 @@ def fsdp2_shard(fn: Callable, sizes: dict, weights: dict, inputs: torch.Tensor, 
 
     from torch.distributed.fsdp import FSDPModule
 
-    device = _device()
+    device = rank_device()
     model = toy_from_weights(sizes, weights).to(device)
     inputs, targets = inputs.to(device), targets.to(device)
     try:
@@ -221,7 +210,7 @@ def zero3_linear(fn: Callable, weights: dict, inputs: torch.Tensor, targets: tor
 
     import torch.distributed as dist
 
-    cls, world, device = inspect.unwrap(fn), dist.get_world_size(), _device()
+    cls, world, device = inspect.unwrap(fn), dist.get_world_size(), rank_device()
     inputs, targets = inputs.to(device), targets.to(device)
     saved: list[list[int]] = []
 
@@ -271,7 +260,7 @@ def fsdp2_hsdp(fn: Callable, sizes: dict, weights: dict, inputs: torch.Tensor, t
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule
 
-    device = _device()
+    device = rank_device()
     model = toy_from_weights(sizes, weights).to(device)
     inputs, targets = inputs.to(device), targets.to(device)
     mesh = fn(model, shard_size)
@@ -299,7 +288,7 @@ def fsdp2_accumulation(fn: Callable, sizes: dict, weights: dict, micro_batches: 
     forward of the root started (to tell the micro-batches' collectives apart in the ledger)."""
     import time
 
-    device = _device()
+    device = rank_device()
     model = toy_from_weights(sizes, weights).to(device)
     _shard_toy(model)
     starts: list[float] = []
