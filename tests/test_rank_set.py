@@ -117,3 +117,33 @@ def test_a_check_leaves_no_process_behind():
     assert [item.passed for item in items] == [False] * len(ring.runs[0].items) + [True] * len(ring.runs[1].items)
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     assert left == [], [(p.pid, p.cmdline()) for p in left]
+
+
+# Correct, but slow: each call computes for 0.8 deadlines of wall time; a run makes two calls (int64, float32).
+SLOW_BUT_RIGHT = answers.ALLGATHER_SOLUTION.replace(
+    "    gathered = []\n",
+    "    import time\n    end = time.monotonic() + 0.8 * DEADLINE_S\n    while time.monotonic() < end:\n"
+    "        sum(range(1000))\n    gathered = []\n", 1)
+# Blocked, not computing (as a rank waiting in a collective is): every rank sleeps past the deadline.
+BLOCKED = answers.ALLGATHER_SOLUTION.replace(
+    "    gathered = []\n", "    import time\n    time.sleep(60)\n    gathered = []\n", 1)
+DEADLINE_S = 3.0
+
+
+@pytest.mark.slow
+def test_a_deadline_waits_for_ranks_still_computing_but_not_for_blocked_ones():
+    # A loaded machine makes a correct answer slow: the deadline is extended while the ranks use CPU
+    # (at most twice). Ranks blocked in a collective use none: the hang is reported at the first deadline.
+    from course_lib.grading.spec import Limits
+
+    found = exercise("01.allgather_from_broadcast")
+    limits = Limits(run_timeout_s=DEADLINE_S)
+    slow = check_exercise(found, SLOW_BUT_RIGHT.replace("DEADLINE_S", repr(DEADLINE_S)), limits=limits)
+    assert all(item.passed for item in slow), "\n".join(map(item_line, slow))
+    started = time.monotonic()
+    blocked = check_exercise(found, BLOCKED, limits=limits)
+    took = time.monotonic() - started
+    assert not any(item.passed for item in blocked)
+    assert blocked[0].message.startswith("did not finish within 3 s"), blocked[0].message
+    # One deadline plus the grader's own start and stop, not three deadlines.
+    assert took < 3 * DEADLINE_S + 10, took

@@ -180,7 +180,10 @@ def _launch_failure(exercise: Exercise, run: RunSpec, launch: LaunchResult, time
     """Why a run did not finish normally, in one line naming the rank ("" if it did)."""
     if launch.timed_out:
         stuck = "; ".join(launch.diagnosis) if launch.diagnosis else "ranks " + ", ".join(map(str, launch.unfinished))
-        return f"{DID_NOT_FINISH} {timeout_s:g} s on {run.nproc} ranks ({stuck}){_maybe_busy(launch.diagnosis)}"
+        # The rank set extends a deadline while the ranks still compute (a loaded machine): say how long they had.
+        extended = f", nor in {launch.elapsed_s:.0f} s while still computing" if launch.elapsed_s > 1.5 * timeout_s else ""
+        return (f"{DID_NOT_FINISH} {timeout_s:g} s{extended} on {run.nproc} ranks ({stuck})"
+                f"{_maybe_busy(launch.diagnosis)}")
     if launch.ok:
         return ""
     rank = launch.root_cause if launch.root_cause is not None else (launch.failed or [0])[0]

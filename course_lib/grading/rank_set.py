@@ -48,6 +48,12 @@ START_TIMEOUT_S = 60.0  # ranks connect and set up (TCP store, ledger) once the 
 # After a rank dies, how long the others get to end on their own: when several raise the same
 # error, the report must name the same rank every time (the lowest), not whichever ended first.
 SETTLE_S = 0.3
+# A deadline that comes while the unfinished ranks are still using CPU is extended (at most this many times,
+# each by the run's own deadline): on a loaded machine a correct answer is slow, not stuck. Ranks blocked in a
+# collective use none, so a hang is still reported at the first deadline.
+BUSY_EXTENSIONS = 2
+BUSY_SAMPLE_S = 0.5  # how long the ranks' CPU time is watched at a deadline
+BUSY_CPU_S = 0.02  # CPU seconds in that window (4 % of a core) that count as still computing
 GLOO = BackendChoice("gloo", "cpu", "grading ranks")
 
 
@@ -166,11 +172,16 @@ class RankSet:
 
         pending, exit_codes, first_dead = set(range(nproc)), {}, None
         timed_out = interrupted = False
+        deadline, extensions = started + timeout_s, 0
         try:
             while pending and first_dead is None:
-                left = started + timeout_s - time.monotonic()
+                left = deadline - time.monotonic()
                 ready = wait([self._conns[r] for r in pending], timeout=max(0.0, left)) if left > 0 else []
                 if not ready:
+                    if extensions < BUSY_EXTENSIONS and self._still_computing(pending):
+                        extensions += 1
+                        deadline += timeout_s
+                        continue
                     timed_out = True
                     break
                 for rank in sorted(pending):
@@ -217,6 +228,34 @@ class RankSet:
             results={}, elapsed_s=time.monotonic() - started,
             ledgers=ledgers, stacks=stacks, diagnosis=diagnosis,
         )
+
+    def _still_computing(self, pending: set[int]) -> bool:
+        """Whether an unfinished rank is runnable or used CPU over the next BUSY_SAMPLE_S (slow), or all are
+        blocked (a hang). On a heavily loaded machine a computing rank may get little CPU but is runnable."""
+        procs = []
+        for rank in pending:
+            try:
+                procs.append(psutil.Process(self._pids[rank]))
+            except psutil.Error:
+                continue
+
+        def sample() -> tuple[float, bool]:
+            total, runnable = 0.0, False
+            for proc in procs:
+                try:
+                    times = proc.cpu_times()
+                    total += times.user + times.system
+                    runnable |= proc.status() == psutil.STATUS_RUNNING
+                except psutil.Error:
+                    pass
+            return total, runnable
+
+        before, runnable = sample()
+        for _ in range(5):
+            time.sleep(BUSY_SAMPLE_S / 5)
+            after, now_runnable = sample()
+            runnable |= now_runnable
+        return runnable or after - before >= BUSY_CPU_S
 
     def _settle(self, pending: set[int], exit_codes: dict) -> None:
         """Let the other ranks of a failed run end on their own for SETTLE_S, recording their exit codes."""
