@@ -165,6 +165,7 @@ for step in (1, 2):
 """
 
 
+@pytest.mark.slow  # one torchrun of 2 ranks importing FSDP2 and DCP: 20-70 s on the shared 2-core machine
 def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
