@@ -1,0 +1,248 @@
+"""The rank side of lesson 07: distributed checkpointing (DCP): how each exercise calls the learner's function.
+
+Runs on the ranks, in the learner's process (see course_lib/grading/drivers.py for the rules every driver
+follows: copy the inputs, return plain data). Every run's ranks share one working directory (the run's
+`work` folder), so a checkpoint folder named here is the same folder on every rank.
+
+The training run is lesson 07's (notebooks/07_checkpointing.ipynb, section 1): lessons 04-05's model,
+Adam, 16 rows walked in the order a `DistributedSampler` shuffles each epoch, noise from the global RNG.
+`train` also runs in the checker's process, without torch.distributed: one process's reference.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from typing import Callable
+
+import torch
+
+__all__ = ["dcp_app_state", "dcp_crash_safe_save", "dcp_reshard_load", "full_state", "new_run", "train"]
+
+ROWS = 16  # an epoch: 2 steps of 8 rows (each rank its share)
+BATCH = 8
+LR = 0.01
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_initialized() else None
+
+
+def _mesh(shape: tuple, names: tuple | None = None):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)  # the checker's ranks run gloo
+
+
+def new_run(mesh=None, seed: int = 1234) -> types.SimpleNamespace:
+    """A fresh run: `model` (FSDP2 bottom-up over `mesh`, if given), `optimizer` (Adam), `sampler`, `step` 0;
+    the global RNG seeded with `seed` (the same on every rank, so one process can replay the noise)."""
+    from torch.utils.data import DistributedSampler
+
+    from ....models import make_model
+
+    model = make_model()
+    if mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in (model[1], model[2]):
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    dist = _dist()
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist and mesh is not None else (1, 0)
+    sampler = DistributedSampler(range(ROWS), num_replicas=world, rank=rank, shuffle=True, seed=0)
+    torch.manual_seed(seed)
+    return types.SimpleNamespace(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=LR),
+                                 sampler=sampler, step=0)
+
+
+def train(run, until: int) -> list[float]:
+    """Steps run.step .. until-1 (the sampler's epoch set when an epoch starts); each step's loss over the
+    whole batch of 8 rows (the ranks' mean)."""
+    from ....models import make_batch
+
+    inputs_all, targets_all = make_batch(ROWS)
+    dist = _dist()
+    losses = []
+    while run.step < until:
+        epoch, position = divmod(run.step, ROWS // BATCH)
+        if position == 0:
+            run.sampler.set_epoch(epoch)
+        share = BATCH // run.sampler.num_replicas
+        rows = list(run.sampler)[position * share:(position + 1) * share]
+        noise = 0.01 * torch.randn(ROWS, inputs_all.shape[1])
+        run.optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(run.model((inputs_all + noise)[rows]), targets_all[rows])
+        loss.backward()
+        run.optimizer.step()
+        loss = loss.detach()
+        if dist is not None and run.sampler.num_replicas > 1:
+            dist.all_reduce(loss)
+            loss /= run.sampler.num_replicas
+        losses.append(loss.item())
+        run.step += 1
+    return losses
+
+
+def full_state(model, optimizer) -> dict:
+    """{"model": {name: whole tensor}, "exp_avg": {...}, "exp_avg_sq": {...}}: what one process compares with
+    (empty moments where the optimizer holds no state for a parameter)."""
+    from torch.distributed.tensor import DTensor
+
+    def whole(t):
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    out: dict = {"model": {n: whole(p) for n, p in model.named_parameters()}, "exp_avg": {}, "exp_avg_sq": {},
+                 "steps": {}}
+    for p, state in optimizer.state.items():
+        name = names.get(id(p))
+        if name is None:
+            continue
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in state:
+                out[key][name] = whole(state[key])
+        if "step" in state:
+            out["steps"][name] = float(state["step"])
+    return out
+
+
+def _rng_matches(saved: torch.Tensor) -> bool:
+    return torch.equal(torch.get_rng_state(), saved)
+
+
+def dcp_app_state(fn: Callable, stop_at: int, total: int, folder: str) -> dict:
+    """07.app_state: train to `stop_at`, save {"app": fn(run)} with dcp.save, train on to `total` (the
+    uninterrupted run); then a fresh run, as a new launch would start it (another seed), loads {"app":
+    fn(fresh)} with dcp.load and trains to `total` (the resumed run). Send back both runs' losses and which
+    parts the load restored."""
+    import torch.distributed.checkpoint as dcp
+
+    mesh = _mesh((_dist().get_world_size(),))
+    run = new_run(mesh)
+    train(run, stop_at)
+    at_save = {"rng": torch.get_rng_state(), "epoch": run.sampler.epoch, "step": run.step,
+               "state": full_state(run.model, run.optimizer)}
+    state = fn(run)
+    dcp.save({"app": state}, checkpoint_id=folder)
+    changed_rng = not _rng_matches(at_save["rng"])
+    uninterrupted = train(run, total)
+
+    fresh = new_run(mesh, seed=99)  # a new process: another model state, the RNG elsewhere, epoch 0, step 0
+    dcp.load({"app": fn(fresh)}, checkpoint_id=folder)
+    loaded = full_state(fresh.model, fresh.optimizer)
+    restored = {
+        "step": fresh.step == at_save["step"],
+        "epoch": fresh.sampler.epoch == at_save["epoch"],
+        "rng": _rng_matches(at_save["rng"]),
+        "model": all(torch.equal(loaded["model"][n], v) for n, v in at_save["state"]["model"].items()),
+        "optimizer": bool(loaded["exp_avg"]) and all(
+            n in loaded["exp_avg"] and torch.equal(loaded["exp_avg"][n], v)
+            for n, v in at_save["state"]["exp_avg"].items()) and loaded["steps"] == at_save["state"]["steps"],
+    }
+    resumed_at = fresh.step
+    resumed = train(fresh, total) if fresh.step < total else []
+    return {"uninterrupted": uninterrupted, "resumed": resumed, "resumed_at": resumed_at, "restored": restored,
+            "save_changed_rng": changed_rng}
+
+
+def dcp_reshard_load(fn: Callable, steps: int, layout: str, folder: str) -> dict:
+    """07.reshard_load: every rank trains `steps` Adam steps with the model FSDP2-sharded over all ranks and
+    saves {"model": ..., "optim": ...} (get_state_dict) with dcp.save; then builds a fresh model and Adam in
+    `layout` ("halves": a 2-D mesh (2, N/2), each rank holding half of the rows, as on 2 ranks; "whole": a
+    plain unsharded model on every rank) and calls fn(model, optimizer, folder). Send back the loaded
+    model and Adam state, and one more step's loss."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    world = _dist().get_world_size()
+    run = new_run(_mesh((world,)))
+    train(run, steps)
+    model_state, optim_state = get_state_dict(run.model, run.optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder)
+    del run, model_state, optim_state
+
+    if layout == "halves":
+        mesh = _mesh((2, world // 2), ("replicate", "shard"))  # HSDP: shards over mesh["shard"], replicas over 2
+        target = new_run(mesh)
+        held = target.model.state_dict()["1.up.weight"].to_local().shape[0]
+    else:
+        target = new_run(None)
+        held = target.model.state_dict()["1.up.weight"].shape[0]
+    result = fn(target.model, target.optimizer, folder)
+    loaded = full_state(target.model, target.optimizer)
+    return {"returned": None if result is None else type(result).__name__, "loaded": loaded, "rows_held": held}
+
+
+class _DiesAfterWriting(Exception):
+    """Raised by rank 1's writer after it wrote its data: a rank lost in the middle of a save."""
+
+
+def dcp_crash_safe_save(fn: Callable, root: str) -> dict:
+    """07.crash_safe_save: an FSDP2 run saves after step 1 and step 2 with fn(state, root, step); the save of
+    step 3 fails on rank 1 after it has written its data (its FileSystemWriter raises). Then every rank
+    loads the folder `<root>/LATEST` names into a fresh model. Send back what LATEST named after each save,
+    whether the failed save raised, and what the load gave."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    dist = _dist()
+    mesh = _mesh((dist.get_world_size(),))
+    run = new_run(mesh)
+    states, named = {}, {}
+
+    def latest() -> str | None:
+        dist.barrier()  # rank 0 may still be writing it when another rank returns
+        path = os.path.join(root, "LATEST")
+        if not os.path.exists(path):
+            return None
+        with open(path) as handle:
+            return handle.read().strip()
+
+    for step in (1, 2):
+        train(run, step)
+        states[step] = full_state(run.model, run.optimizer)
+        model_state, optim_state = get_state_dict(run.model, run.optimizer)
+        fn({"model": model_state, "optim": optim_state}, root, step)
+        named[step] = latest()
+    train(run, 3)
+    model_state, optim_state = get_state_dict(run.model, run.optimizer)
+    original = FileSystemWriter.write_data
+
+    def dies_after_writing(self, plan, planner):
+        written = original(self, plan, planner)
+        written.wait()
+        if dist.get_rank() == 1:
+            raise _DiesAfterWriting("rank 1 was lost in the middle of the save")
+        return written
+
+    FileSystemWriter.write_data = dies_after_writing
+    raised = None
+    try:
+        fn({"model": model_state, "optim": optim_state}, root, 3)
+    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        raised = type(exc).__name__
+    finally:
+        FileSystemWriter.write_data = original
+    named[3] = latest()
+
+    fresh = new_run(mesh, seed=99)
+    load_error = None
+    if named[3] is not None:
+        model_state, optim_state = get_state_dict(fresh.model, fresh.optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        try:
+            dcp.load(state, checkpoint_id=os.path.join(root, named[3]))
+            from torch.distributed.checkpoint.state_dict import set_state_dict
+
+            set_state_dict(fresh.model, fresh.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
+        except BaseException as exc:  # noqa: BLE001 - CheckpointException
+            load_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+    folders = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    return {"named": named, "raised": raised, "load_error": load_error, "folders": folders,
+            "loaded": full_state(fresh.model, fresh.optimizer), "states": states,
+            "after_3": full_state(run.model, run.optimizer)}

@@ -1,0 +1,116 @@
+"""Answer cells for lesson 07's grader tests: the solutions (as in solutions/07_checkpointing_solutions.ipynb)
+and plausible wrong answers, each of which must lose exactly the points its mistake deserves."""
+
+APP_SOLUTION = '''%%exercise 07.app_state
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+
+class RunState(Stateful):
+    def __init__(self, run):
+        self.run = run
+
+    def state_dict(self):
+        model_state, optim_state = get_state_dict(self.run.model, self.run.optimizer)
+        return {"model": model_state, "optim": optim_state, "step": self.run.step,
+                "epoch": self.run.sampler.epoch, "rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state):
+        set_state_dict(self.run.model, self.run.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        self.run.step = state["step"]
+        self.run.sampler.set_epoch(state["epoch"])
+        torch.set_rng_state(state["rng"])
+
+
+def app_state(run):
+    return RunState(run)
+'''
+
+# The optimizer left out: the model resumes, Adam starts again from zero moments.
+APP_NO_OPTIMIZER = (APP_SOLUTION
+                    .replace('''        model_state, optim_state = get_state_dict(self.run.model, self.run.optimizer)
+        return {"model": model_state, "optim": optim_state,''',
+                             '''        return {"model": self.run.model.state_dict(),''')
+                    .replace('''        set_state_dict(self.run.model, self.run.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+''', '''        self.run.model.load_state_dict(state["model"])
+'''))
+
+# The RNG state left out: the noise after the resume is not the uninterrupted run's.
+APP_NO_RNG = (APP_SOLUTION.replace(''',
+                "epoch": self.run.sampler.epoch, "rng": torch.get_rng_state()}''', ''',
+                "epoch": self.run.sampler.epoch}''')
+              .replace('''        torch.set_rng_state(state["rng"])
+''', ""))
+
+# The sampler's epoch left out: in the middle of an epoch, the rows are another epoch's.
+APP_NO_EPOCH = (APP_SOLUTION.replace('''
+                "epoch": self.run.sampler.epoch, "rng"''', '''
+                "rng"''')
+                .replace('''        self.run.sampler.set_epoch(state["epoch"])
+''', ""))
+
+RESHARD_SOLUTION = '''%%exercise 07.reshard_load
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+
+def load_resharded(model, optimizer, folder):
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+'''
+
+# The model only: the parameters load, Adam's state stays empty.
+RESHARD_MODEL_ONLY = '''%%exercise 07.reshard_load
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+
+def load_resharded(model, optimizer, folder):
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=folder)
+    set_model_state_dict(model, state["model"])
+'''
+
+CRASH_SOLUTION = '''%%exercise 07.crash_safe_save
+import os
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+
+def save_checkpoint(state, root, step):
+    name = f"step_{step}"
+    dcp.save(state, checkpoint_id=os.path.join(root, name))
+    if dist.get_rank() == 0:
+        with open(os.path.join(root, "LATEST.tmp"), "w") as handle:
+            handle.write(name)
+        os.replace(os.path.join(root, "LATEST.tmp"), os.path.join(root, "LATEST"))
+'''
+
+# One folder for every save: the failed save writes over the last good checkpoint.
+CRASH_OVERWRITE = CRASH_SOLUTION.replace('name = f"step_{step}"', 'name = "checkpoint"')
+
+# LATEST moved before the save: after a failed save it names a folder without .metadata.
+CRASH_MARK_FIRST = '''%%exercise 07.crash_safe_save
+import os
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+
+def save_checkpoint(state, root, step):
+    name = f"step_{step}"
+    os.makedirs(root, exist_ok=True)
+    if dist.get_rank() == 0:
+        with open(os.path.join(root, "LATEST"), "w") as handle:
+            handle.write(name)
+    dcp.save(state, checkpoint_id=os.path.join(root, name))
+'''
+
+# The failure swallowed: the caller thinks step 3 was saved.
+CRASH_SWALLOWS = CRASH_SOLUTION.replace(
+    "    dcp.save(state, checkpoint_id=os.path.join(root, name))\n",
+    "    try:\n        dcp.save(state, checkpoint_id=os.path.join(root, name))\n    except BaseException:\n        return\n")

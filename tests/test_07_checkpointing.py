@@ -1,0 +1,193 @@
+"""Lesson 07 (distributed checkpointing): its exercises graded on real gloo ranks, and the crash it teaches.
+
+The solution scores full marks, the stub zero with its hint (shown once per report), and each plausible wrong
+answer loses exactly the points its mistake deserves, with a message that names the rank and what is wrong.
+One set of grading ranks serves the whole module (as the grader gives one to a submission), forked from a
+server that has imported FSDP2 and DCP.
+
+`test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable`: the lesson's section 8 outside the
+notebook: torchrun, 2 ranks, rank 1 SIGKILLed in the middle of a save; the previous checkpoint loads in one
+process and equals it, the interrupted one has no `.metadata` and refuses to load.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+
+import nbformat
+import pytest
+import torch
+
+import grading_answers_07 as answers
+from exercise_checks import assert_full_marks, assert_stub_scores_zero_with_its_first_hint_once, failed_items
+from exercise_notebooks import exercise_sections, markdown_cells, notebook_path
+from proc_helpers import launch, startup_deadline_s
+from course_lib.grading.cells import EXERCISE_ID, exercise_cells
+from course_lib.grading.checker import check_exercise, rank_set_for
+from course_lib.grading.registry import exercise, exercises_of_lesson
+from course_lib.grading.report import item_line
+
+NOTEBOOK = "07_checkpointing.ipynb"
+SOLUTIONS = exercise_cells(nbformat.read(notebook_path("solutions", NOTEBOOK), as_version=4))
+STUBS = exercise_cells(nbformat.read(notebook_path("exercises", NOTEBOOK), as_version=4))
+IDS = exercises_of_lesson("07")
+APP, RESHARD, CRASH = IDS
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    with rank_set_for([exercise(i) for i in IDS]) as shared:
+        yield shared
+
+
+@pytest.mark.parametrize("notebook", ["solutions", "exercises"])
+def test_the_notebook_lists_exactly_the_exercises_graded(notebook):
+    assert IDS == ["07.app_state", "07.reshard_load", "07.crash_safe_save"]
+    cells = exercise_cells(nbformat.read(notebook_path(notebook, NOTEBOOK), as_version=4))
+    assert list(cells) == IDS
+    markdown = "\n".join(markdown_cells(notebook, NOTEBOOK))
+    assert re.findall(r"^\d+\. `(\S+)`", markdown, re.M) == IDS
+    assert list(exercise_sections(notebook, NOTEBOOK)) == IDS
+    named = set(re.findall(rf"\b{EXERCISE_ID.pattern}\b", markdown))
+    assert named <= set(IDS), f"the text names exercises nobody grades: {sorted(named - set(IDS))}"
+    assert "(../notebooks/07_checkpointing.ipynb)" in markdown
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_each_exercise_states_its_deadlines_and_world_sizes(exercise_id):
+    section = exercise_sections("solutions", NOTEBOOK)[exercise_id]
+    for run in exercise(exercise_id).runs:
+        assert f"{run.nproc} ranks" in section, f"{exercise_id}: no '{run.nproc} ranks'"
+        assert f"deadline {run.timeout_s:g} s" in section, f"{exercise_id}: no 'deadline {run.timeout_s:g} s'"
+    points = [item.points for run in exercise(exercise_id).runs for item in run.items]
+    assert sum(points) == exercise(exercise_id).points
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_solution_scores_full_marks(exercise_id, ranks):
+    assert_full_marks(exercise_id, SOLUTIONS[exercise_id], ranks=ranks)
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_stub_scores_zero_and_says_what_to_write_once(exercise_id, ranks):
+    assert_stub_scores_zero_with_its_first_hint_once(exercise_id, STUBS[exercise_id], ranks=ranks)
+
+
+RESUMED = "a new run loaded from the checkpoint reproduces the uninterrupted losses, bit for bit (2 ranks)"
+RESHARD_OPTIM_4 = "4 -> 2: Adam's moments and step counts equal one process's (4 ranks)"
+RESHARD_OPTIM_2 = "2 -> unsharded: Adam's moments and step counts equal one process's (2 ranks)"
+OWN_FOLDER = "after each save, LATEST names a checkpoint of its own (2 ranks)"
+SURVIVES = ("a save that fails part-way leaves LATEST naming step 2's checkpoint, which loads and equals one process "
+            "(2 ranks)")
+
+WRONG = [
+    # Adam's state left out: step 4's forward still uses the loaded weights, step 5 differs.
+    pytest.param(APP, answers.APP_NO_OPTIMIZER, {
+        RESUMED: ("resumed at step 3, the loss of step 5 is", "not restored by the load: Adam's state"),
+    }, id="app-state-without-optimizer"),
+    pytest.param(APP, answers.APP_NO_RNG, {
+        RESUMED: ("resumed at step 3, the loss of step 4 is", "not restored by the load: the global random state"),
+    }, id="app-state-without-rng"),
+    # In the middle of an epoch the loop does not set the epoch again: the rows are epoch 0's.
+    pytest.param(APP, answers.APP_NO_EPOCH, {
+        RESUMED: ("resumed at step 3, the loss of step 4 is", "not restored by the load: the sampler's epoch"),
+    }, id="app-state-without-epoch"),
+    pytest.param(RESHARD, answers.RESHARD_MODEL_ONLY, {
+        RESHARD_OPTIM_4: ("loaded with each rank holding half of the rows", "the optimizer's state was not loaded"),
+        RESHARD_OPTIM_2: ("loaded into an unsharded model on every rank", "the optimizer's state was not loaded"),
+    }, id="reshard-model-only"),
+    pytest.param(CRASH, answers.CRASH_OVERWRITE, {
+        OWN_FOLDER: ("both went to 'checkpoint'",),
+        SURVIVES: ("it holds step 3's values, written over the checkpoint of step 2 by the save that failed",),
+    }, id="crash-one-folder-overwritten"),
+    pytest.param(CRASH, answers.CRASH_MARK_FIRST, {
+        SURVIVES: ("LATEST names 'step_3', not step 2's 'step_2'", "loading it fails (CheckpointException"),
+    }, id="crash-marked-before-the-save"),
+    pytest.param(CRASH, answers.CRASH_SWALLOWS, {
+        SURVIVES: ("but save_checkpoint returned normally",),
+    }, id="crash-error-swallowed"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exercise_id, source, lost", WRONG)
+def test_wrong_answer_loses_the_right_points_and_says_why(exercise_id, source, lost, ranks):
+    items = check_exercise(exercise(exercise_id), source, ranks=ranks)
+    got = failed_items(items)
+    assert sorted(got) == sorted(lost), "\n".join(map(item_line, items))
+    for name, phrases in lost.items():
+        for phrase in phrases:
+            assert phrase in got[name], f"{name}: {got[name]!r} lacks {phrase!r}"
+        assert re.match(r"rank 0[,: ]", got[name]), got[name]
+
+
+KILLED_SAVE = """
+import os
+import signal
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from course_lib.models import make_batch, make_model
+
+
+class DiesAfterWriting(FileSystemWriter):
+    def write_data(self, plan, planner):
+        written = super().write_data(plan, planner)
+        written.wait()
+        if dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return written
+
+
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+model = make_model()
+for block in (model[1], model[2]):
+    fully_shard(block, mesh=mesh)
+fully_shard(model, mesh=mesh)
+optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+inputs, targets = make_batch()
+rows = slice(4 * dist.get_rank(), 4 * dist.get_rank() + 4)
+for step in (1, 2):
+    optimizer.zero_grad()
+    torch.nn.functional.mse_loss(model(inputs[rows]), targets[rows]).backward()
+    optimizer.step()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    writer = DiesAfterWriting("step_2") if step == 2 else None
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=f"step_{step}", storage_writer=writer)
+    print(f"saved step {step}", flush=True)
+"""
+
+
+@pytest.mark.slow  # one torchrun of 2 ranks importing FSDP2 and DCP: 20-70 s on the shared 2-core machine
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from course_lib.models import make_batch, make_model
+
+    result = launch(KILLED_SAVE, 2, timeout_s=4 * startup_deadline_s(2) + 30, cwd=str(tmp_path)).result
+    assert not result.timed_out, "a rank killed in the middle of dcp.save hung the job"
+    assert result.exit_codes.get(1) == -9, result.exit_codes  # rank 1 died by SIGKILL
+    assert sorted(os.listdir(tmp_path / "step_1")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert ".metadata" not in os.listdir(tmp_path / "step_2")  # written last: the interrupted save has none
+
+    # One process: the model after step 1, as the checkpoint should hold it.
+    model, (inputs, targets) = make_model(), make_batch()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    torch.nn.functional.mse_loss(model(inputs), targets).backward()
+    optimizer.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled ...": one process, on purpose
+        loaded = {"model": make_model().state_dict()}
+        dcp.load(loaded, checkpoint_id=str(tmp_path / "step_1"))
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(loaded["model"][name], value)
+        with pytest.raises(CheckpointException):
+            dcp.load({"model": make_model().state_dict()}, checkpoint_id=str(tmp_path / "step_2"))
