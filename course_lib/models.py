@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 __all__ = ["LLAMA_CONFIG", "Block", "ToyModel", "make_batch", "make_batches", "make_llama", "make_mlp", "make_model",
-           "make_tokens", "toy_batch", "toy_model"]
+           "make_tokens", "rank_batch", "shard_model", "toy_batch", "toy_model"]
 
 
 class Block(nn.Module):
@@ -85,6 +85,29 @@ def make_batch(n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """Lessons 04-05's data: `n` (inputs, targets) rows from seed 1; ranks take their rows of it."""
     generator = torch.Generator().manual_seed(1)
     return torch.randn(n, 8, generator=generator), torch.randn(n, 4, generator=generator)
+
+
+def rank_batch(rank: int, world_size: int, n: int = 8, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows of `make_batch(n)`: n / world_size consecutive rows each, on `device`.
+
+    The ranks' slices, in rank order, are the whole batch, so N ranks together see what one process sees.
+    """
+    if n % world_size:
+        raise ValueError(f"rank_batch: {n} rows do not split evenly over {world_size} ranks")
+    rows = slice(rank * n // world_size, (rank + 1) * n // world_size)
+    inputs, targets = make_batch(n)
+    return inputs[rows].to(device), targets[rows].to(device)
+
+
+def shard_model(model: nn.Sequential, mesh, **options) -> nn.Sequential:
+    """Lesson 05's bottom-up `fully_shard` of `make_model()`: each Block (model[1], model[2]) becomes a unit,
+    then the root, which takes what is left (the first and last Linear). `options` go to every call
+    (`reshard_after_forward`, `mp_policy`, `offload_policy`, ...). Defined in lesson 05, section 3."""
+    from torch.distributed.fsdp import fully_shard   # imported here: a rank's first FSDP import is slow
+
+    for block in (model[1], model[2]):
+        fully_shard(block, mesh=mesh, **options)
+    return fully_shard(model, mesh=mesh, **options)
 
 
 # --- a tiny transformers Llama (lessons 06-07, launch/train.py): built from a config, no download ----------

@@ -66,7 +66,8 @@ PREDICTIONS: dict[str, Prediction] = {
     ),
     "05.after_forward": Prediction(
         id="05.after_forward",
-        question="bytes rank 0 holds after forward beyond its shards, reshard_after_forward True, False, 2",
+        question=("bytes rank 0 holds after forward in FSDP's extra parameter buffers (not its 4-way shards), "
+                  "reshard_after_forward True, False, 2"),
         needs="memory",
         measure=lambda results, ledgers: tuple(results["memory"][0]["settings"][s]["after forward"]
                                                for s in SETTINGS),

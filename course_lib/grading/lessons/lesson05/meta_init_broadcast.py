@@ -13,7 +13,8 @@ from .common import FSDP2_OPS, FSDP2_PRELOAD, TOY_2, TOY_3, expected_placements,
 __all__ = ["META_INIT"]
 
 HINTS = (
-    "Reread lesson 05, section 10 'Meta-device init: the same shard on every rank (CPU mesh)'.",
+    "Reread lesson 05's in-depth appendix (notebooks/05_appendix_in_depth.ipynb), section 2 'Meta-device init: the "
+    "same shard on every rank (CPU mesh)'.",
     "torch.device('meta') as a context manager, fully_shard, nn.Module.to_empty(device=...), and "
     "set_model_state_dict with StateDictOptions from torch.distributed.checkpoint.state_dict.",
     "Build under the meta device so that no rank holds the whole model, shard it as in 05.shard_bottom_up, give "
