@@ -237,7 +237,8 @@ def train(args: argparse.Namespace) -> float:
 
     layout = {"ddp": "DDP", "fsdp": "FSDP2", "2d": f"FSDP2 x TP (dp={dp_size}, tp={args.tp})"}[args.parallel]
     if distributed:
-        cl.print0(f"{layout} on {info.world_size} ranks; global batch {args.batch} = {dp_size} x {rows} rows")
+        ranks = f"{info.world_size} rank{'s' if info.world_size > 1 else ''}"
+        cl.print0(f"{layout} on {ranks}; global batch {args.batch} = {dp_size} x {rows} rows")
     loss_value = float("nan")
     first, started = app.step + 1, time.perf_counter()
     for step in range(first, args.steps + 1):

@@ -17,6 +17,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -66,16 +67,15 @@ def run_all(commands: list[list[str]], env: dict[str, str], timeout_s: float) ->
     env = dict(env, **{MARK_VAR: mark})
     logs = [io.StringIO() for _ in commands]
     started = time.monotonic()
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for cmd in commands]
-    codes: list[int | None] = [None] * len(procs)
+    procs: list[subprocess.Popen] = []
+    readers: list[threading.Thread] = []
+    codes: list[int | None] = [None] * len(commands)
     try:
-        import threading
-
-        readers = [threading.Thread(target=lambda p=p, log=log: log.write(p.stdout.read()), daemon=True)
-                   for p, log in zip(procs, logs)]
-        for t in readers:
-            t.start()
+        for cmd, log in zip(commands, logs):
+            p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            procs.append(p)
+            readers.append(threading.Thread(target=lambda p=p, log=log: log.write(p.stdout.read()), daemon=True))
+            readers[-1].start()
         for i, p in enumerate(procs):
             left = max(0.1, timeout_s - (time.monotonic() - started))
             with contextlib.suppress(subprocess.TimeoutExpired):
