@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run a training script on several machines: start the same command on every node.
-#   NNODES=2 NPROC=4 RDZV_ENDPOINT=node0.example:29500 bash launch/multinode.sh launch/train.py --parallel 2d --tp 4
+#   NNODES=2 NPROC=4 RDZV_ENDPOINT=node0.example:29500 bash launch/multinode.sh launch/train.py --parallel 2d --tp 2
 # Elastic: NNODES=1:4 starts as soon as 1 node is there and lets up to 4 join
 # (torchrun waits a little for more before it starts; a node that joins later
 # restarts the group, which resumes from the newest complete checkpoint).

@@ -13,6 +13,7 @@ import subprocess
 import pytest
 import yaml
 
+from course_lib.models import LLAMA_CONFIG
 from launch_helpers import LAUNCH, ROOT, load_train
 
 SHELL_SCRIPTS = sorted(LAUNCH.glob("*.sh")) + [LAUNCH / "slurm.sbatch"]
@@ -84,7 +85,14 @@ def test_slurm_and_readme_commands_use_flags_train_py_has(train):
     assert commands
     for line in commands:
         args = shlex.split(line.split("launch/train.py ", 1)[1].split("`")[0].replace("|", " "))
-        train.parse_args(["value" if "$" in a else a for a in args if a != "\\"])  # "$PWD/x": some value
+        parsed = train.parse_args(["value" if "$" in a else a for a in args if a != "\\"])  # "$PWD/x": some value
+        assert_tp_fits_the_model(parsed, line)
+
+
+def assert_tp_fits_the_model(args, where):
+    # Each tp rank holds heads/tp attention heads: --tp must divide the tiny Llama's KV heads.
+    if args.parallel == "2d":
+        assert LLAMA_CONFIG["num_key_value_heads"] % args.tp == 0, where
 
 
 def load(path):
@@ -119,6 +127,7 @@ def test_manifests_parse_and_have_each_kinds_required_fields(train):
     assert trainer["image"] and isinstance(trainer["numNodes"], int) and isinstance(trainer["numProcPerNode"], int)
     assert trainer["command"][0] == "torchrun" and trainer["command"][1].endswith("launch/train.py")
     args = train.parse_args(trainer["args"])
+    assert_tp_fits_the_model(args, "trainjob.yaml")
     assert str(args.ckpt_dir).startswith("/checkpoints")
     [override] = job["spec"]["podTemplateOverrides"]
     assert override["targetJobs"] == [{"name": "node"}]
@@ -139,6 +148,7 @@ def test_manifests_parse_and_have_each_kinds_required_fields(train):
         assert container["name"] == "pytorch" and container["image"]  # the operator looks for "pytorch"
         assert container["command"][:2] == ["torchrun", "/workspace/course/launch/train.py"]
         args = train.parse_args(container["command"][2:])
+        assert_tp_fits_the_model(args, "pytorchjob.yaml")
         assert str(args.ckpt_dir).startswith("/checkpoints")
         volumes = pod_volumes_are_consistent(pod, [container])
         assert volumes["checkpoints"]["persistentVolumeClaim"]["claimName"] == claim
