@@ -1,8 +1,8 @@
 """A worker SIGKILLed mid-run: torchrun (--max-restarts 1) restarts the group, which resumes from the
 newest complete DCP checkpoint and ends at one process's final loss.
 
-Gloo restarts as torch ships them fail or hang in some runs (../shared/TORCH_ON_CPU.md); train.py
-gives each attempt its own store prefix. Measured before this test went in: see launch/README.md.
+Gloo restarts as torch ships them fail or hang in some runs; train.py gives each attempt its own
+store prefix. Before this test went in it passed 10 runs out of 10 (torch 2.13.0, 2 cores at load 13-24).
 """
 
 import pytest
