@@ -155,12 +155,20 @@ def test_lesson_00_in_a_real_browser(tmp_path):
     shot.unlink(missing_ok=True)
     port, token = _free_port(), secrets.token_hex(16)
     base = f"http://127.0.0.1:{port}"
+    clock, phases = time.monotonic(), {}
+
+    def phase(name: str) -> None:
+        nonlocal clock
+        phases[name] = time.monotonic() - clock
+        clock = time.monotonic()
+
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
     lab = _start_lab(tmp_path, port, token)
     started: set[int] = {lab.pid}
     try:
         _wait_for_lab(lab, base, token, tmp_path / "lab.log")
+        phase("lab started")
         assert walk.lab_setting(base, token, "@jupyterlab/docmanager-extension:plugin", "autosave") is False
         with sync_playwright() as playwright:
             browser = playwright.chromium.launch_persistent_context(
@@ -168,15 +176,18 @@ def test_lesson_00_in_a_real_browser(tmp_path):
                 args=CHROMIUM_FLAGS, viewport={"width": 1280, "height": 900})
             started |= {p.pid for p in me.children(recursive=True)} - before
             page = browser.pages[0] if browser.pages else browser.new_page()
+            phase("chromium started")
             page.set_default_timeout(PAGE_S * 1000)
             try:
                 walk.open_from_file_browser(page, base, token, NOTEBOOK)
                 started |= {p.pid for p in me.children(recursive=True)} - before  # the kernel
                 walk.menu(page, "Edit", "Clear Outputs of All Cells")  # what appears next comes from this run
+                phase("lesson 00 opened, kernel idle")
 
                 _run_cell(page, walk, 1)  # %load_ext course_lib
                 ranks = _run_cell(page, walk, 3)  # the first %%torchrun -n 2 cell
                 started |= {p.pid for p in me.children(recursive=True)} - before
+                phase("first multi-rank cell")
                 assert "[torchrun] 2 ranks, backend gloo on cpu" in ranks, ranks
                 for rank in (0, 1):
                     assert re.search(rf"\[rank {rank}\] rank {rank} of 2: after\s+all_reduce 3\.0", ranks), ranks
@@ -188,6 +199,7 @@ def test_lesson_00_in_a_real_browser(tmp_path):
                 image = figure_cell.locator(".jp-OutputArea-output img").first
                 image.wait_for(state="visible")
                 assert image.evaluate("img => img.complete && img.naturalWidth > 100"), "the figure did not render"
+                phase("figure")
 
                 # An ipywidgets control: a new cell below, typed as a learner would.
                 page.keyboard.press("Escape")
@@ -203,6 +215,7 @@ def test_lesson_00_in_a_real_browser(tmp_path):
                 slider.first.wait_for(state="visible")
                 assert slider.first.locator(".widget-readout").inner_text().strip() == "3"
                 slider.first.scroll_into_view_if_needed()
+                phase("widget")
             finally:
                 page.screenshot(path=str(shot))
                 walk.shut_down_kernels(base, token, NOTEBOOK)
@@ -211,5 +224,7 @@ def test_lesson_00_in_a_real_browser(tmp_path):
     finally:
         started |= {p.pid for p in me.children(recursive=True)} - before
         left = _stop(started, lab)
+        phase("stopped")
+        print("browser test, seconds per step:", ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
     assert shot.stat().st_size > 10_000
     assert not left, f"still running after the test stopped them: {left}"
