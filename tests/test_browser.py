@@ -41,8 +41,6 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
 # Seconds: the lab's start, the page's first load (JupyterLab's bundle), one cell.
 LAB_START_S, PAGE_S, CELL_S = 60, 90, 90
 
-pytestmark = pytest.mark.slow
-
 
 def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
@@ -145,6 +143,15 @@ def _wait_done(page, walk, cell) -> str:
     pytest.fail(f"a cell did not finish within {CELL_S} s: {cell.text_content()[:300]!r}")
 
 
+def test_without_chromium_the_test_skips_with_one_line(monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(pytest.skip.Exception) as skipped:
+        _skip_without_browser()
+    message = str(skipped.value)
+    assert "\n" not in message and message.startswith("no browser to drive: chromium") and "apt-get" in message
+
+
+@pytest.mark.slow
 def test_lesson_00_in_a_real_browser(tmp_path):
     _skip_without_browser()
     from playwright.sync_api import sync_playwright
@@ -167,16 +174,16 @@ def test_lesson_00_in_a_real_browser(tmp_path):
     lab = _start_lab(tmp_path, port, token)
     started: set[int] = {lab.pid}
     try:
-        _wait_for_lab(lab, base, token, tmp_path / "lab.log")
-        phase("lab started")
-        assert walk.lab_setting(base, token, "@jupyterlab/docmanager-extension:plugin", "autosave") is False
-        with sync_playwright() as playwright:
+        with sync_playwright() as playwright:  # chromium starts while the lab does
             browser = playwright.chromium.launch_persistent_context(
                 str(tmp_path / "chromium-profile"), executable_path=_chromium(), headless=True,
                 args=CHROMIUM_FLAGS, viewport={"width": 1280, "height": 900})
             started |= {p.pid for p in me.children(recursive=True)} - before
             page = browser.pages[0] if browser.pages else browser.new_page()
             phase("chromium started")
+            _wait_for_lab(lab, base, token, tmp_path / "lab.log")
+            phase("lab started")
+            assert walk.lab_setting(base, token, "@jupyterlab/docmanager-extension:plugin", "autosave") is False
             page.set_default_timeout(PAGE_S * 1000)
             try:
                 walk.open_from_file_browser(page, base, token, NOTEBOOK)
