@@ -149,3 +149,13 @@ def test_the_real_command_without_torch_gives_its_verdict():
     assert done.returncode == 1, done.stdout + done.stderr
     assert re.search(r"^  BLOCKING torch +torch cannot be imported", done.stdout, re.M)
     assert done.stdout.splitlines()[-1].startswith("verdict: NOT READY")
+
+
+def test_a_failing_job_is_reported_with_the_ranks_last_error(monkeypatch):
+    # The real launcher, a job whose rank 1 fails: the finding carries the rank's own last line.
+    monkeypatch.setattr(checks, "JOB", "import os\nif os.environ['RANK'] == '1':\n"
+                                       "    raise RuntimeError('gloo could not connect (made up)')\n")
+    problem, _ = checks._run_job(timeout_s=120)
+    assert problem.startswith("failed (exit codes") and "RuntimeError: gloo could not connect (made up)" in problem
+    finding = checks.check_job(problem, 1.0)
+    assert finding.status == BLOCKING and "GLOO_SOCKET_IFNAME" in finding.todo

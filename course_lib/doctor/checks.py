@@ -260,8 +260,8 @@ def check_job(problem: str | None, seconds: float) -> Finding | None:
         return None  # not run: torch or gloo is missing, which another check says
     if problem:
         return Finding("2-rank job", BLOCKING, f"a 2-rank gloo all_reduce {problem}",
-                       "run `bash launch/run_local.sh launch/scripts/hello.py` in a terminal to see the ranks' "
-                       "own errors; a firewall or VPN on the loopback interface: set GLOO_SOCKET_IFNAME=lo")
+                       "the end of the line above is the ranks' last error; with a firewall or VPN on the "
+                       "loopback interface, set GLOO_SOCKET_IFNAME=lo (gloo then uses the loopback interface)")
     return Finding("2-rank job", OK, f"a 2-rank gloo all_reduce gave 1 + 2 = 3 on both ranks ({seconds:.0f} s)")
 
 
