@@ -159,3 +159,30 @@ def test_a_failing_job_is_reported_with_the_ranks_last_error(monkeypatch):
     assert problem.startswith("failed (exit codes") and "RuntimeError: gloo could not connect (made up)" in problem
     finding = checks.check_job(problem, 1.0)
     assert finding.status == BLOCKING and "GLOO_SOCKET_IFNAME" in finding.todo
+
+
+@pytest.mark.parametrize("overrides, user, expected", [
+    (None, None, False),  # jupyterlab_widgets' own default
+    (True, None, True),  # make install's overrides.json
+    (True, "{\n  // the learner turned it off\n  \"saveState\": false\n}", False),  # Settings > Jupyter Widgets
+    (False, "{\"saveState\": true}", True),
+])
+def test_widget_state_is_read_as_jupyterlab_reads_it(tmp_path, monkeypatch, overrides, user, expected):
+    from jupyterlab_server.settings_utils import get_settings
+
+    app, user_dir = tmp_path / "app", tmp_path / "user"
+    monkeypatch.setenv("JUPYTERLAB_DIR", str(app))
+    monkeypatch.setenv("JUPYTERLAB_SETTINGS_DIR", str(user_dir))
+    if overrides is not None:
+        (app / "settings").mkdir(parents=True)
+        (app / "settings" / "overrides.json").write_text(json.dumps({checks.WIDGET_PLUGIN: {"saveState": overrides}}))
+    if user is not None:
+        path = user_dir / "@jupyter-widgets" / "jupyterlab-manager" / "plugin.jupyterlab-settings"
+        path.parent.mkdir(parents=True)
+        path.write_text(user)
+    labextensions = os.path.join(sys.prefix, "share", "jupyter", "labextensions")
+    found, _ = get_settings(str(app / "settings"), str(app / "schemas"), str(user_dir),
+                            schema_name=checks.WIDGET_PLUGIN, labextensions_path=[labextensions])
+    seen_by_jupyterlab = found["settings"].get("saveState", found["schema"]["properties"]["saveState"]["default"])
+    assert seen_by_jupyterlab is expected
+    assert checks._widget_state_setting() == (expected, str(app / "settings" / "overrides.json"))

@@ -100,26 +100,38 @@ def _package_version(name: str) -> str | None:
         return None
 
 
+def _lab_dirs() -> tuple[pathlib.Path, pathlib.Path, pathlib.Path]:
+    """JupyterLab's app dir, the user settings dir and the labextensions dir, as JupyterLab finds them.
+
+    Read here rather than through jupyterlab and jupyterlab_server, whose imports take seconds.
+    """
+    app = pathlib.Path(os.environ.get("JUPYTERLAB_DIR") or pathlib.Path(sys.prefix, "share", "jupyter", "lab"))
+    config = os.environ.get("JUPYTER_CONFIG_DIR") or pathlib.Path.home() / ".jupyter"
+    user = pathlib.Path(os.environ.get("JUPYTERLAB_SETTINGS_DIR") or pathlib.Path(config, "lab", "user-settings"))
+    return app, user, pathlib.Path(sys.prefix, "share", "jupyter", "labextensions")
+
+
+def _read_json5(path: pathlib.Path) -> dict:
+    import json5  # JupyterLab's settings files may hold comments; jupyterlab_server depends on json5
+
+    return json5.loads(path.read_text()) if path.is_file() else {}
+
+
 def _widget_state_setting() -> tuple[bool | None, str]:
     """saveState as JupyterLab will see it (user setting, else overrides.json, else the default); the overrides file."""
-    settings_file = pathlib.Path(sys.prefix, "share", "jupyter", "lab", "settings", "overrides.json")
+    app, user, labextensions = _lab_dirs()
+    settings_file = app / "settings" / "overrides.json"
+    package, plugin = WIDGET_PLUGIN.split(":")
+    schema = labextensions / package / "schemas" / package / f"{plugin}.json"
     try:
-        from jupyterlab.commands import get_app_dir
-        from jupyterlab_server.settings_utils import get_settings
-        from jupyter_core.paths import jupyter_config_dir
-    except ImportError:
+        if not schema.is_file():
+            return None, str(settings_file)  # no widget manager installed in this environment
+        value = _read_json5(schema)["properties"]["saveState"].get("default", False)
+        value = _read_json5(settings_file).get(WIDGET_PLUGIN, {}).get("saveState", value)
+        value = _read_json5(user / package / f"{plugin}.jupyterlab-settings").get("saveState", value)
+    except (OSError, ValueError, KeyError, ImportError):
         return None, str(settings_file)
-    app_dir = pathlib.Path(get_app_dir())
-    settings_file = app_dir / "settings" / "overrides.json"
-    user_dir = os.environ.get("JUPYTERLAB_SETTINGS_DIR", os.path.join(jupyter_config_dir(), "lab", "user-settings"))
-    labextensions = os.path.join(sys.prefix, "share", "jupyter", "labextensions")
-    try:
-        found, _ = get_settings(str(app_dir / "settings"), str(app_dir / "schemas"), user_dir, schema_name=WIDGET_PLUGIN,
-                                labextensions_path=[labextensions])
-    except Exception:  # noqa: BLE001 - no widget extension, an unreadable file: reported as "cannot be read"
-        return None, str(settings_file)
-    default = found["schema"]["properties"]["saveState"].get("default")
-    return bool(found.get("settings", {}).get("saveState", default)), str(settings_file)
+    return bool(value), str(settings_file)
 
 
 JOB = """\
