@@ -23,13 +23,13 @@ endif
 
 .PHONY: install lab test test-quick notebooks exercises clean
 
-# Every install also turns on JupyterLab's saving of widget state (course_lib/lab_settings.py), so a
+# Every install also turns on JupyterLab's saving of widget state (course_lib/doctor/lab_settings.py), so a
 # notebook the learner saves reopens with its explorers drawn, not "model not found"; other keys of
 # an existing overrides.json stay. Cheap and written only when it changes: it runs every time, so
 # a venv made before this line gets it too.
 LAB_OVERRIDES := $(VENV)/share/jupyter/lab/settings/overrides.json
 install: $(VENV)/.installed
-	$(BIN)/python -m course_lib.lab_settings $(LAB_OVERRIDES)
+	$(BIN)/python -m course_lib.doctor.lab_settings $(LAB_OVERRIDES)
 
 # Torch is installed on its own first so that the package's range (pyproject.toml)
 # is already met and pip does not fetch a different build.

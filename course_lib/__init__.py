@@ -14,7 +14,7 @@ from .results import ledgers, results
 # cell), and these pull in psutil, matplotlib, ipywidgets, ...
 _LAZY = {
     # launching and checking
-    "describe_machine": "machine", "LaunchResult": "launcher.torchrun", "run_torchrun": "launcher.torchrun",
+    "describe_machine": "doctor.machine", "LaunchResult": "launcher.torchrun", "run_torchrun": "launcher.torchrun",
     "check": "grading",
     # on a rank: collect plain data to publish
     "sharding_of": "measure.sharding", "mesh_of": "measure.sharding", "measure_step": "measure.memory",

@@ -1,4 +1,4 @@
-"""`make install` turns on JupyterLab's saving of widget state (course_lib/lab_settings.py), as JupyterLab reads it.
+"""`make install` turns on JupyterLab's saving of widget state (course_lib/doctor/lab_settings.py), as JupyterLab reads it.
 
 The install recipe's own command lines, taken from the Makefile, run against a
 temporary venv folder; jupyterlab_server, which serves JupyterLab its settings,
@@ -15,7 +15,7 @@ import shlex
 import subprocess
 import sys
 
-from course_lib.lab_settings import PLUGIN
+from course_lib.doctor.lab_settings import PLUGIN
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MAKEFILE = (ROOT / "Makefile").read_text()

@@ -1,7 +1,8 @@
 """course_lib's layout as a contract: what imports what, what every rank loads, what an install carries.
 
 The rooms and their direction (pyproject.toml, [tool.importlinter]):
-draw -> measure -> theory; magics -> grading -> launcher -> rank; never upward.
+draw -> measure -> theory; magics -> grading -> launcher -> rank; never upward;
+doctor/ (pre-flight, machine facts, lab settings) imported by no other room.
 """
 
 import importlib
@@ -41,6 +42,7 @@ def test_import_contracts_hold():
     ("measure/comm.py", "import matplotlib", "drawing-only-in-draw"),
     ("rank/ledger.py", "import psutil", "rank-is-light"),
     ("grading/report.py", "from IPython.display import display", "ipython-only-in-magics"),
+    ("launcher/torchrun.py", "from ..doctor import checks", "doctor-is-a-leaf"),
 ])
 def test_each_contract_catches_a_wrong_import(tmp_path, module, line, contract):
     # A copy of the package with one import that breaks one rule: that contract must fail.

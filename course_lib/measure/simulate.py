@@ -37,11 +37,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 from ..vocabulary import DEFAULT_PRECISION, OPTIMIZERS, PRECISIONS, data_flow
 from . import simulate_worker
-from .simulate_worker import RESULT_MARK
+from .simulate_worker import ENV_PROGRESS_FILE, RESULT_MARK
+
+# (configurations done, configurations in all, the one just done, e.g. "llama-7b on 8 ranks")
+ProgressCallback = Callable[[int, int, str], None]
 
 __all__ = [
     "GPU_BYTES", "LABEL", "LLAMA_CONFIGS", "SimulationError", "SimulationResult", "result_rows", "simulate_fsdp2",
@@ -142,22 +145,47 @@ def _one_line_error(returncode: int, stderr: str) -> str:
     return f"simulation failed (exit {returncode}): {errors[-1] if errors else 'no output'}"
 
 
-def _run_workers(batches: list[list[dict]], timeout_s: float) -> list[list[dict]]:
+def _follow_progress(procs: list, progress_files: list[pathlib.Path], total: int, deadline: float,
+                     on_progress: ProgressCallback) -> None:
+    """Until every worker has exited (or the deadline), call `on_progress` once per job a worker finishes."""
+    seen = [0] * len(progress_files)  # lines already reported, per worker
+    while True:
+        running = any(proc.poll() is None for proc, _, _ in procs)
+        for index, path in enumerate(progress_files):
+            lines = [line for line in (path.read_text().splitlines() if path.exists() else [])
+                     if line.endswith("}")]  # a line being written is not counted yet
+            for line in lines[seen[index]:]:
+                seen[index] += 1
+                job = json.loads(line)
+                on_progress(sum(seen), total, f"{job['model']} on {job['world_size']} ranks")
+        if not running or time.monotonic() > deadline:
+            return
+        time.sleep(0.25)
+
+
+def _run_workers(batches: list[list[dict]], timeout_s: float,
+                 on_progress: ProgressCallback | None = None) -> list[list[dict]]:
     """Each batch in its own fresh `python -m course_lib.measure.simulate_worker`, all at once, under one deadline.
 
     Any failure, the deadline or a Ctrl-C stops every worker; a failure becomes a one-line error.
+    `on_progress(done, total, what)` is called as each job ends, in the order they end.
     """
     procs, files = [], []
+    progress_dir = tempfile.TemporaryDirectory(prefix="course-simulation-progress-")
+    progress_files = [pathlib.Path(progress_dir.name, f"worker{i}.jsonl") for i in range(len(batches))]
     try:
-        for batch in batches:
+        for batch, progress_file in zip(batches, progress_files):
             stdin, stdout, stderr = (tempfile.TemporaryFile("w+") for _ in range(3))  # files: no pipe to fill
             files += [stdin, stdout, stderr]
             json.dump(batch, stdin)
             stdin.seek(0)
+            env = _worker_env() | {ENV_PROGRESS_FILE: str(progress_file)}
             procs.append((subprocess.Popen([sys.executable, "-m", simulate_worker.__name__], stdin=stdin,
-                                           stdout=stdout, stderr=stderr, env=_worker_env(), text=True),
+                                           stdout=stdout, stderr=stderr, env=env, text=True),
                           stdout, stderr))
         deadline = time.monotonic() + timeout_s
+        if on_progress is not None:
+            _follow_progress(procs, progress_files, sum(len(b) for b in batches), deadline, on_progress)
         outputs = []
         for proc, stdout, stderr in procs:
             try:
@@ -178,15 +206,18 @@ def _run_workers(batches: list[list[dict]], timeout_s: float) -> list[list[dict]
                 proc.wait()
         for handle in files:
             handle.close()
+        progress_dir.cleanup()
 
 
 def _layers(config: dict) -> int:
     return config.get("layers", config.get("num_hidden_layers", 32))
 
 
-def simulate_many(jobs: list[dict], *, processes: int | None = None,
-                  timeout_s: float = 120.0) -> list[SimulationResult]:
+def simulate_many(jobs: list[dict], *, processes: int | None = None, timeout_s: float = 120.0,
+                  on_progress: ProgressCallback | None = None) -> list[SimulationResult]:
     """Several configurations, shared among `processes` fresh subprocesses (default: 2 where 2 cores are).
+
+    `on_progress(done, total, what)` is called as each configuration ends (simulate_table prints a line).
 
     Each job is a dict of `simulate_fsdp2`'s arguments. A worker imports torch and transformers once
     (about 5 s) and then runs its jobs one after the other; the fake step costs about the number of
@@ -199,7 +230,7 @@ def simulate_many(jobs: list[dict], *, processes: int | None = None,
     for index in sorted(range(len(specs)), key=lambda i: -_layers(specs[i]["config"])):
         min(batches, key=lambda b: sum(_layers(specs[i]["config"]) for i in b)).append(index)
     outputs: dict[int, dict] = {}
-    for batch, outs in zip(batches, _run_workers([[specs[i] for i in b] for b in batches], timeout_s)):
+    for batch, outs in zip(batches, _run_workers([[specs[i] for i in b] for b in batches], timeout_s, on_progress)):
         outputs.update(zip(batch, outs))
     results = []
     for index, spec in enumerate(specs):
@@ -252,5 +283,11 @@ def simulate_table(models=("llama-7b", "llama-70b"), world_sizes=(8, 64, 1024), 
     # The cell shows nothing else until the table: say what runs and for about how long (bench/bench_simulate.py).
     print(f"simulating {len(jobs)} configurations, each in a process of its own: about a minute on 2 cores ...",
           flush=True)
-    results = simulate_many(jobs, processes=processes, timeout_s=timeout_s)
+    started = time.monotonic()
+
+    def show(done: int, total: int, what: str) -> None:
+        # A line per configuration as it ends (which ends first varies: nbval's sanitizer drops these lines).
+        print(f"simulated {done}/{total}: {what} ({time.monotonic() - started:.0f} s)", flush=True)
+
+    results = simulate_many(jobs, processes=processes, timeout_s=timeout_s, on_progress=show)
     return [row for result in results for row in result_rows(result)]

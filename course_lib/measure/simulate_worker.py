@@ -34,6 +34,8 @@ _HF_NAMES = {"hidden": "hidden_size", "layers": "num_hidden_layers", "vocab": "v
              "intermediate": "intermediate_size", "heads": "num_attention_heads",
              "kv_heads": "num_key_value_heads", "tied_embeddings": "tie_word_embeddings"}
 RESULT_MARK = "COURSE_SIMULATION_RESULT "
+# A file the worker appends one line to as each job ends, for the caller's progress line (simulate.py).
+ENV_PROGRESS_FILE = "COURSE_SIMULATION_PROGRESS_FILE"
 _STEP_TOKENS = 8  # the fake batch: 1 sequence of 8 tokens (activations are not what is measured)
 
 
@@ -181,7 +183,12 @@ def main() -> None:
         path = os.path.join(folder, "ledger.jsonl")
         ledger.install(path)
         recorded = ledger.LedgerReader(path)
-        results = [_simulate_job(job, recorded) for job in jobs]
+        results = []
+        for job in jobs:
+            results.append(_simulate_job(job, recorded))
+            if os.environ.get(ENV_PROGRESS_FILE):
+                with open(os.environ[ENV_PROGRESS_FILE], "a") as progress:
+                    progress.write(json.dumps({"model": job["model"], "world_size": job["world_size"]}) + "\n")
     print(RESULT_MARK + json.dumps(results), flush=True)
 
 

@@ -9,8 +9,9 @@ and the code cells that did not run. With --sliders, it also moves every widget
 slider one step and says whether the widget's image changed. Exit status 1 when
 a cell errors, does not run, or the deadline passes.
 
-It needs a running JupyterLab (see tests/browser/README.md) and Chromium; it is
-not part of `make test` (the file name does not start with `test_`).
+It needs a running JupyterLab (see tests/browser/README.md) and Chromium. This
+script is a tool, not a test (the file name does not start with `test_`);
+tests/test_browser.py uses its helpers to walk through lesson 00 in `make test`.
 """
 
 from __future__ import annotations

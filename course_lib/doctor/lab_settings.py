@@ -1,6 +1,6 @@
 """Make JupyterLab store widget state when a notebook is saved: a settings override in the venv.
 
-    .venv/bin/python -m course_lib.lab_settings .venv/share/jupyter/lab/settings/overrides.json   # make install
+    .venv/bin/python -m course_lib.doctor.lab_settings .venv/share/jupyter/lab/settings/overrides.json   # make install
 
 A notebook saved without its widgets' state shows "Error displaying widget:
 model not found" for each explorer when it is reopened, until the cell runs
@@ -41,5 +41,5 @@ def write_overrides(path: str | pathlib.Path) -> dict:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m course_lib.lab_settings <venv>/share/jupyter/lab/settings/overrides.json")
+        sys.exit("usage: python -m course_lib.doctor.lab_settings <venv>/share/jupyter/lab/settings/overrides.json")
     write_overrides(sys.argv[1])
