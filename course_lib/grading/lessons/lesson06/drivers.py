@@ -109,20 +109,22 @@ def attention_plan(fn: Callable, dim: int, n_heads: int, weights: dict, inputs: 
                   "local": list((p.to_local() if isinstance(p, DTensor) else p).shape)}
               for n, p in attention.named_parameters()}
     x = inputs.to(device).clone().requires_grad_()
+    local = params["q.weight"]["local"][0]
+    if params["q.weight"]["placements"] == ["Shard(dim=0)"] and local // attention.head_dim != attention.n_heads:
+        # torch's own words ("shape ... is invalid for input of size ...") name neither the heads nor the rank.
+        return {"returned": describe(returned), "params": params, "n_heads": attention.n_heads,
+                "error": f"nothing: it was not run. This rank's q projection gives {local} output features, "
+                         f"{local // attention.head_dim} heads of {attention.head_dim}, but the module still splits "
+                         f"them into n_heads={attention.n_heads}, and its forward's view would fail"}
     try:
         with CommDebugMode() as comm:
             out = attention(x)
             forward = _counts(comm)
-    except RuntimeError as exc:
-        if "invalid for input of size" not in str(exc):
-            raise
-        local = params["q.weight"]["local"][0]
-        raise RuntimeError(
-            f"{str(exc).splitlines()[0]}: this rank's q projection gives {local} features, "
-            f"{local // attention.head_dim} heads of {attention.head_dim}, but the module still splits them "
-            f"into n_heads={attention.n_heads}") from exc
-    out = out.full_tensor() if isinstance(out, DTensor) else out
-    out.sum().backward()
+        out = out.full_tensor() if isinstance(out, DTensor) else out
+        out.sum().backward()
+    except Exception as exc:  # noqa: BLE001 - a wrong plan fails inside torch: the placements say why
+        return {"returned": describe(returned), "params": params, "n_heads": attention.n_heads,
+                "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
     grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().cpu().clone()
              for n, p in attention.named_parameters() if p.grad is not None}
     return {"returned": describe(returned), "params": params, "out": out.detach().cpu().clone(),

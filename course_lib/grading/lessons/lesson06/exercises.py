@@ -245,6 +245,8 @@ def _attention_equal(outcome: RunOutcome) -> list[str]:
         ref = _attention_reference(weights, inputs)
         for rank, result in sorted(by_rank.items()):
             where = _where(rank, case, outcome)
+            if "error" in result.output:
+                return [f"{where}: the forward or backward raised {result.output['error']}"]
             for label, got, want in (("the output", result.output["out"], ref["out"]),
                                      ("the gradient of the input", result.output["x.grad"], ref["x.grad"])):
                 wrong = first_difference(got, want, rtol=RTOL, atol=ATOL)
@@ -263,6 +265,8 @@ def _attention_comm(outcome: RunOutcome) -> list[str]:
         return problem
     for case, by_rank in enumerate(outcome.results):
         for rank, result in sorted(by_rank.items()):
+            if "error" in result.output:
+                return [f"{_where(rank, case, outcome)}: the forward or backward raised {result.output['error']}"]
             if result.output["forward"] != {"all_reduce": 1}:
                 return [f"{_where(rank, case, outcome)}: the forward issued {result.output['forward'] or 'nothing'} "
                         "(CommDebugMode), expected one all_reduce: the output projection's terms, summed once"]
@@ -332,8 +336,10 @@ def _mesh_placed(outcome: RunOutcome) -> list[str]:
                     return [f"{where}: {name} is not a DTensor: neither TP nor FSDP placed it"]
                 is_tp = name.startswith("blocks.") and name.endswith(("up.weight", "up.bias", "down.weight"))
                 if described["mesh_names"] != ["dp", "tp"] and is_tp:
+                    swapped = (": FSDP sharded it over tp and TP split it over dp, the sub-meshes swapped"
+                               if described["mesh_names"] == ["tp", "dp"] else "")
                     return [f"{where}: {name} is placed over dims {described['mesh_names']}, expected both "
-                            "('dp', 'tp'): tensor-parallel over tp, then sharded by FSDP over dp"]
+                            f"('dp', 'tp'): tensor-parallel over tp, then sharded by FSDP over dp{swapped}"]
                 tp_placement = placements[-1] if is_tp else None
                 want = ("Shard(dim=0)" if name.endswith("up.weight") or name.endswith("up.bias")
                         else "Shard(dim=1)") if is_tp else None
