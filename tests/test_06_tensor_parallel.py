@@ -15,6 +15,7 @@ import re
 
 import nbformat
 import pytest
+import torch
 
 import grading_answers_06 as answers
 from exercise_checks import assert_full_marks, assert_stub_scores_zero_with_its_first_hint_once, failed_items
@@ -80,10 +81,16 @@ def test_the_predictions_formulas():
     redistribute, mlp, memory = (prediction(f"06.{name}") for name in ("redistribute", "tp_mlp_bytes", "memory_2d"))
     assert redistribute.formula({}) == (0, 0, 1, 24)
     assert mlp.formula({"by_hand": {0: {"x": (4, 8)}, 1: {"x": (4, 8)}}}) == 2 * 4 * 8 * 4
-    from course_lib.models import make_llama
+    from course_lib.models import LLAMA_CONFIG as c
 
-    model = make_llama()
-    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    # make_llama()'s parameters from its config (transformers is slow to import): 26,784 of them.
+    kv = c["hidden_size"] // c["num_attention_heads"] * c["num_key_value_heads"]
+    h, m, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    layer = {"q": (h, h), "k": (kv, h), "v": (kv, h), "o": (h, h), "gate": (m, h), "up": (m, h), "down": (h, m),
+             "input_layernorm": (h,), "post_attention_layernorm": (h,)}
+    shapes = {"embed": (v, h), "norm": (h,), "lm_head": (v, h),
+              **{f"layers.{i}.{k}": s for i in range(c["num_hidden_layers"]) for k, s in layer.items()}}
+    assert sum(torch.Size(s).numel() for s in shapes.values()) == 26_784
     sharded = [n for n in shapes if "norm" not in n]
     published = {"memory": {0: {"mesh": (2, 2), "shapes": shapes, "tp sharded": sharded}}}
     assert memory.formula(published) == 26_944 == 4 * ((26_784 - 160) // 4 + 160 // 2)
