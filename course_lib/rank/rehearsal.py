@@ -156,6 +156,12 @@ def _device_type(value: Any) -> str | None:
     return None
 
 
+def _is_dtensor(tensor: Any) -> bool:
+    """A DTensor, or a functional collective's output (what a parallel style hands on as a plain tensor): torch
+    put it where the collective's input was."""
+    return any(cls.__name__ in ("DTensor", "AsyncCollectiveTensor") for cls in type(tensor).__mro__)
+
+
 def _placement_mode(device_type: str):
     from torch.overrides import TorchFunctionMode
     import torch
@@ -192,7 +198,10 @@ def _placement_mode(device_type: str):
                 inputs = _tensors(args, _tensors(kwargs, []))
                 placed = any(on_device(t) for t in inputs)
                 name = getattr(func, "__name__", "")
-                if placed and name not in _COPIES:
+                # A DTensor's device is its mesh's (init_device_mesh(device.type, ...)), and the tensors the
+                # parallel styles make from it inside torch carry no mark: an operation on one is DTensor's
+                # to place, not the program's (tests/test_gpu_node_rehearsal.py, tensor parallel).
+                if placed and name not in _COPIES and not any(_is_dtensor(t) for t in inputs):
                     stray = [t for t in inputs if not on_device(t) and t.dim() > 0]
                     if stray and _caller_is_program(2):
                         raise RehearsalError(
