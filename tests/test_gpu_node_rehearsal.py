@@ -167,6 +167,33 @@ def test_the_same_work_with_every_tensor_on_the_device_passes():
     assert "RIGHT" in "".join(text for _, _, text in run.chunks)
 
 
+TENSOR_PARALLEL_ON_THE_DEVICE = """
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
+import course_lib as cl
+info = cl.init()
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4), torch.nn.RMSNorm(4),
+                            torch.nn.Linear(4, 6)).to(info.device)
+mesh = init_device_mesh(info.device.type, (info.world_size,))
+parallelize_module(model, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel(),
+                                 "3": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
+logits = model(torch.randn(5, 4, device=info.device))      # the norm sees the row-parallel layer's output
+with loss_parallel():
+    F.cross_entropy(logits, torch.randint(0, 6, (5,), device=info.device)).backward()
+print("RIGHT", flush=True)
+"""
+
+
+def test_tensor_parallel_with_every_tensor_on_the_device_passes():
+    """The tensors the parallel styles make inside torch carry no mark; DTensor places them (lesson 06)."""
+    run = launch(TENSOR_PARALLEL_ON_THE_DEVICE, 2, timeout_s=90, backend="auto")
+    assert run.result.ok, _rank_errors(run)[-2000:]
+    assert "RIGHT" in "".join(text for _, _, text in run.chunks)
+
+
 def test_01_cell_29_deadlocks_under_a_bound_device_and_the_deadline_names_the_rank_in_new_group():
     run = launch(NEW_GROUP_BEFORE_THE_MEMBERS.format(bind=True), 4, timeout_s=20, backend="auto")
     assert run.result.timed_out

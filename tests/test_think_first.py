@@ -22,10 +22,10 @@ from course_lib.predictions import all_predictions
 from course_lib.predictions.reveal import RevealError, reveal, write_first
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-LESSONS = ("01", "02", "03", "04", "05", "07")
-MIN_REVEALS = {"01": 2, "02": 2, "03": 2, "04": 4, "05": 4, "07": 3}
+LESSONS = ("01", "02", "03", "04", "05", "06", "07")
+MIN_REVEALS = {"01": 2, "02": 2, "03": 2, "04": 4, "05": 4, "06": 3, "07": 3}
 NEW_EXERCISES = ("02.ddp_from_scratch", "03.zero1_by_hand", "04.memory_per_rank", "05.zero3_linear", "05.hsdp_mesh",
-                 "07.crash_safe_save")
+                 "06.megatron_mlp", "07.crash_safe_save")
 STUB = re.compile(r"""NotImplementedError\((["'])(.*?)\1\)""")
 # A number a learner could read: two digits or more, or a digit next to a decimal point/thousands comma.
 NUMBER = re.compile(r"\d[\d,_.]*\d")

@@ -156,6 +156,42 @@ def _device_type(value: Any) -> str | None:
     return None
 
 
+def _is_dtensor(tensor: Any) -> bool:
+    """A DTensor, or a functional collective's output (what a parallel style hands on as a plain tensor): torch
+    put it where the collective's input was."""
+    return any(cls.__name__ in ("DTensor", "AsyncCollectiveTensor") for cls in type(tensor).__mro__)
+
+
+_DTENSOR_PATCHED = False
+
+
+def _dtensor_outputs_keep_the_mark(device_type: str) -> None:
+    """Once torch.distributed.tensor is loaded: what `to_local()` and `full_tensor()` return is where the
+    DTensor's mesh is (the parallel styles hand their outputs on through `to_local()`, inside torch)."""
+    global _DTENSOR_PATCHED
+    if _DTENSOR_PATCHED or "torch.distributed.tensor" not in sys.modules:
+        return
+    _DTENSOR_PATCHED = True
+    from torch.distributed.tensor import DTensor
+
+    for name in ("to_local", "full_tensor"):
+        original = getattr(DTensor, name)
+
+        @functools.wraps(original)
+        def kept(self, *args, _original=original, **kwargs):
+            out = _original(self, *args, **kwargs)
+            if _mesh_device_type(self) == device_type:
+                _mark(out)
+            return out
+
+        setattr(DTensor, name, kept)
+
+
+def _mesh_device_type(tensor: Any) -> str | None:
+    mesh = getattr(tensor, "device_mesh", None)
+    return getattr(mesh, "device_type", None)
+
+
 def _placement_mode(device_type: str):
     from torch.overrides import TorchFunctionMode
     import torch
@@ -168,6 +204,7 @@ def _placement_mode(device_type: str):
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            _dtensor_outputs_keep_the_mark(device_type)
             if getattr(func, "__course_lib_rehearsed__", False):
                 # A collective dispatched to this mode comes back through the module's name, which
                 # our wrappers hold: call torch's own function, so the ledger records a call once
@@ -190,9 +227,14 @@ def _placement_mode(device_type: str):
                 placed = _device_type(kwargs.get("device")) == device_type
             else:
                 inputs = _tensors(args, _tensors(kwargs, []))
-                placed = any(on_device(t) for t in inputs)
+                # A DTensor is where its mesh is; what comes out of one (to_local() included) is there too.
+                placed = any(on_device(t) or (_is_dtensor(t) and _mesh_device_type(t) == device_type)
+                             for t in inputs)
                 name = getattr(func, "__name__", "")
-                if placed and name not in _COPIES:
+                # A DTensor's device is its mesh's (init_device_mesh(device.type, ...)), and the tensors the
+                # parallel styles make from it inside torch carry no mark: an operation on one is DTensor's
+                # to place, not the program's (tests/test_gpu_node_rehearsal.py, tensor parallel).
+                if placed and name not in _COPIES and not any(_is_dtensor(t) for t in inputs):
                     stray = [t for t in inputs if not on_device(t) and t.dim() > 0]
                     if stray and _caller_is_program(2):
                         raise RehearsalError(

@@ -1,0 +1,149 @@
+"""Lesson 06: the lesson runs every seed name it must, its predictions' formulas hold, and its exercises,
+graded on real gloo ranks: the solution scores full marks, the stub zero with its hint (shown once per
+report), and each plausible wrong answer loses the points its mistake deserves, with a message that says
+what is wrong (the rank, the case, and the mechanism: the all-reduce in the wrong place, the heads not
+divided, the sub-meshes swapped).
+
+One set of grading ranks serves the whole module (as the grader gives one to a submission): started once,
+forked from a server that has imported tensor parallel and FSDP, restarted only after a run that failed.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import nbformat
+import pytest
+import torch
+
+import grading_answers_06 as answers
+from exercise_checks import assert_full_marks, assert_stub_scores_zero_with_its_first_hint_once, failed_items
+from exercise_notebooks import exercise_sections, markdown_cells, notebook_path
+from course_lib.grading.cells import EXERCISE_ID, exercise_cells
+from course_lib.grading.checker import check_exercise, rank_set_for
+from course_lib.grading.lessons.lesson06.exercises import ATOL, RTOL
+from course_lib.grading.registry import exercise, exercises_of_lesson
+from course_lib.predictions import prediction
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOK = "06_tensor_parallel.ipynb"
+STUBS = exercise_cells(nbformat.read(notebook_path("exercises", NOTEBOOK), as_version=4))
+IDS = exercises_of_lesson("06")
+MLP, ATTENTION, MESH = IDS
+SEED_NAMES = ("init_device_mesh", "mesh_dim_names", "get_group", "parallelize_module", "ColwiseParallel",
+              "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput", "loss_parallel",
+              "Shard", "Replicate", "Partial", "distribute_tensor", "redistribute")
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    with rank_set_for([exercise(i) for i in IDS]) as shared:
+        yield shared
+
+
+def test_every_lesson_06_seed_name_runs_in_a_code_cell():
+    """../shared/SEED_COVERAGE.md's lesson-06 names, each called (not only named) in a code cell of the lesson."""
+    nb = nbformat.read(ROOT / "notebooks" / NOTEBOOK, as_version=4)
+    code = "\n".join(cell.source for cell in nb.cells if cell.cell_type == "code")
+    for name in SEED_NAMES:
+        assert re.search(rf"\b{name}\b\s*[(\[=.]", code) or re.search(rf"[.\"]{name}\b", code), name
+
+
+def test_the_notebook_lists_exactly_the_exercises_graded():
+    assert IDS == ["06.megatron_mlp", "06.attention_plan", "06.mesh_2d"]
+    for folder in ("solutions", "exercises"):
+        cells = exercise_cells(nbformat.read(notebook_path(folder, NOTEBOOK), as_version=4))
+        assert list(cells) == IDS
+        markdown = "\n".join(markdown_cells(folder, NOTEBOOK))
+        assert re.findall(r"^\d+\. `(\S+)`", markdown, re.M) == IDS  # the list under Goal
+        assert list(exercise_sections(folder, NOTEBOOK)) == IDS
+        assert set(re.findall(rf"\b{EXERCISE_ID.pattern}\b", markdown)) <= set(IDS)
+        assert "(../notebooks/06_tensor_parallel.ipynb)" in markdown
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_each_exercise_states_its_deadline_cases_and_allowed_calls(exercise_id):
+    text, found = exercise_sections("solutions", NOTEBOOK)[exercise_id], exercise(exercise_id)
+    runs = len(found.runs)
+    assert f"**Graded on** {runs} run{'s' * (runs != 1)}" in text
+    for run in found.runs:
+        assert f"deadline of {run.timeout_s:g} s" in text
+        assert f"{run.nproc} ranks" in text
+    assert f"rtol {RTOL:.0e} and atol {ATOL:.0e}".replace("e-0", "e-") in text
+    for op in sorted(found.allowed_ops):
+        assert f"`dist.{op}`" in text, op
+    assert "collective or point-to-point call raises inside the check" in text
+
+
+def test_the_predictions_formulas():
+    """The numbers the lesson's text and explanations state, from the formulas alone."""
+    redistribute, mlp, memory = (prediction(f"06.{name}") for name in ("redistribute", "tp_mlp_bytes", "memory_2d"))
+    assert redistribute.formula({}) == (0, 0, 1, 24)
+    assert mlp.formula({"by_hand": {0: {"x": (4, 8)}, 1: {"x": (4, 8)}}}) == 2 * 4 * 8 * 4
+    from course_lib.models import LLAMA_CONFIG as c
+
+    # make_llama()'s parameters from its config (transformers is slow to import): 26,784 of them.
+    kv = c["hidden_size"] // c["num_attention_heads"] * c["num_key_value_heads"]
+    h, m, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    layer = {"q": (h, h), "k": (kv, h), "v": (kv, h), "o": (h, h), "gate": (m, h), "up": (m, h), "down": (h, m),
+             "input_layernorm": (h,), "post_attention_layernorm": (h,)}
+    shapes = {"embed": (v, h), "norm": (h,), "lm_head": (v, h),
+              **{f"layers.{i}.{k}": s for i in range(c["num_hidden_layers"]) for k, s in layer.items()}}
+    assert sum(torch.Size(s).numel() for s in shapes.values()) == 26_784
+    sharded = [n for n in shapes if "norm" not in n]
+    published = {"memory": {0: {"mesh": (2, 2), "shapes": shapes, "tp sharded": sharded}}}
+    assert memory.formula(published) == 26_944 == 4 * ((26_784 - 160) // 4 + 160 // 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_solution_scores_full_marks(exercise_id, ranks):
+    assert_full_marks(exercise_id, getattr(answers, {MLP: "MLP_SOLUTION", ATTENTION: "ATTENTION_SOLUTION",
+                                                     MESH: "MESH_SOLUTION"}[exercise_id]), ranks=ranks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_stub_scores_zero_and_says_what_to_write_once(exercise_id, ranks):
+    assert_stub_scores_zero_with_its_first_hint_once(exercise_id, STUBS[exercise_id], ranks=ranks)
+
+
+WRONG = {
+    "all-reduce after the column layer": (
+        MLP, "MLP_REDUCE_AFTER_COLUMN",
+        {"output equals one process (2 ranks)": "summing the column-parallel layer's output adds different hidden",
+         "one all-reduce in forward, one in backward (2 ranks)": "2 all-reduce(s) in forward and 1 in backward"}),
+    "no all-reduce in backward": (
+        MLP, "MLP_NO_BACKWARD_REDUCE",
+        {"gradients of the input and of each shard equal one process (2 ranks)": "backward all-reduced nothing",
+         "one all-reduce in forward, one in backward (2 ranks)": "1 all-reduce(s) in forward and 0 in backward"}),
+    "heads not divided": (
+        ATTENTION, "ATTENTION_HEADS_KEPT",
+        {"q, k, v Shard(0), o Shard(1), 2 of the 4 heads per rank (2 ranks)": "n_heads=4 heads, expected 2"}),
+    "q sharded on the wrong dim": (
+        ATTENTION, "ATTENTION_Q_ROWWISE",
+        {"q, k, v Shard(0), o Shard(1), 2 of the 4 heads per rank (2 ranks)":
+         "q.weight has placements ['Shard(dim=1)'], expected ['Shard(dim=0)']"}),
+    "FSDP on tp, TP on dp": (
+        MESH, "MESH_SWAPPED",
+        {"a 2 x 2 mesh ('dp', 'tp'): each Block's Linears TP over tp and sharded over dp": "the sub-meshes swapped"}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mistake", list(WRONG))
+def test_a_wrong_answer_fails_with_what_is_wrong(mistake, ranks):
+    exercise_id, name, expected = WRONG[mistake]
+    source = getattr(answers, name)
+    assert source != getattr(answers, {MLP: "MLP_SOLUTION", ATTENTION: "ATTENTION_SOLUTION",
+                                       MESH: "MESH_SOLUTION"}[exercise_id])   # the mistake was made
+    items = check_exercise(exercise(exercise_id), source, ranks=ranks)
+    failed = failed_items(items)
+    for item, phrase in expected.items():
+        assert item in failed, (item, failed)
+        assert phrase in failed[item], failed[item]
+        assert failed[item].startswith("rank "), failed[item]
+    assert sum(item.score for item in items) < exercise(exercise_id).points
+    if mistake == "no all-reduce in backward":   # the output is right: that point is kept
+        assert "output equals one process (2 ranks)" not in failed
