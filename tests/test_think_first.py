@@ -7,7 +7,8 @@ Fast, single-process, over the committed notebooks and the exercise specs:
 - each lesson has its reveal cells (at least 2 in lessons 01-03, 4 in 04-05), each `%reveal <id>` of one
   of its own predictions, after a cell that sets the prediction to None, and none stores a number;
 - no other stored output gives a reveal's answer away before the learner has predicted (every lesson, any
-  number): a cell below a reveal that reads what its run published (`results["<needs>"]`) is stored collapsed,
+  number): a cell below a reveal that reads what its run published (`results["<name>"]`, for the prediction's
+  `needs` and every `cl.publish` name of the cells between the blank prediction and the reveal) is stored collapsed,
   and the answer's values (as `make notebooks` recorded them in tests/reveal_answers/) appear in no shown
   output and in no collapsed output's first line, the line JupyterLab shows on the collapsed bar.
 """
@@ -192,6 +193,18 @@ def _recorded_answers(lesson: str) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+PUBLISH = re.compile(r"""\bpublish\(\s*["'](\w+)["']""")
+
+
+def _published_for(cells: list[dict], reveal_index: int) -> set[str]:
+    """The `cl.publish` names of the run a reveal measures: those of the code cells between the cell that
+    leaves the prediction blank (`... = None`) and the reveal."""
+    blank = max((i for i in range(reveal_index) if cells[i]["cell_type"] == "code"
+                 and re.search(r"^\w+\s*=\s*None\b", _source(cells[i]), re.M)), default=reveal_index)
+    return {name for cell in cells[blank:reveal_index] if cell["cell_type"] == "code"
+            for name in PUBLISH.findall(_source(cell))}
+
+
 REVEALING = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
 
@@ -209,13 +222,15 @@ def test_no_stored_output_gives_a_reveals_answer_away(path):
         spec = all_predictions().get(prediction_id)
         if spec is None:
             continue  # test_each_lesson_has_its_reveal_cells_and_none_stores_a_number names it
-        reads = re.compile(rf"""results(?:\[\s*|\.get\(\s*)["']{re.escape(spec.needs)}["']""")
+        published = {spec.needs} | _published_for(cells, index)
+        keys = "|".join(re.escape(k) for k in sorted(published))
+        reads = re.compile(rf"""results(?:\[\s*|\.get\(\s*)["']({keys})["']""")
         for later in range(index + 1, len(cells)):
             cell = cells[later]
-            if (cell["cell_type"] == "code" and cell.get("outputs") and reads.search(_source(cell))
-                    and not _collapsed(cell)):
-                problems.append(f"cell {later} reads results[{spec.needs!r}] below `%reveal {prediction_id}` "
-                                "and its output is not stored collapsed")
+            found = reads.search(_source(cell)) if cell["cell_type"] == "code" and cell.get("outputs") else None
+            if found and not _collapsed(cell):
+                problems.append(f"cell {later} reads results[{found.group(1)!r}], published by the run of "
+                                f"`%reveal {prediction_id}`, below it, and its output is not stored collapsed")
         recorded = _recorded_answers(prediction_id.split(".")[0])
         if prediction_id not in recorded:
             problems.append(f"no recorded answer for {prediction_id} in {ANSWERS.relative_to(ROOT)}: "
@@ -225,7 +240,7 @@ def test_no_stored_output_gives_a_reveals_answer_away(path):
         for number, cell in enumerate(cells):
             if cell["cell_type"] != "code" or "reveal" in cell.get("metadata", {}).get("tags", []):
                 continue
-            text = _text_outputs(cell)
+            text = "\n".join(_text_outputs({"outputs": [out]}) for out in cell.get("outputs", []))
             found = _answer_line(_first_line(text) if _collapsed(cell) else text, pattern)
             if found is not None:
                 where = "the first line of its collapsed output" if _collapsed(cell) else "its stored output"
