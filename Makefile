@@ -64,10 +64,12 @@ test-quick: install
 # state of a notebook that shows no widget (nbconvert keeps an old one: lessons 02-03 carried 01's). The widget state
 # nbconvert stores (store_widget_state, on by default) stays in the notebook: from it JupyterLab
 # draws the explorers of a reopened notebook before any cell runs (without it: "model not found").
+# Each %reveal writes the answer it measured to tests/reveal_answers/lessonNN.json (tests/test_think_first.py
+# checks that no stored output shows it before the learner has predicted).
 NB ?= notebooks/*.ipynb solutions/*.ipynb
 notebooks: install
 	for nb in $(NB); do \
-	  (cd "$$(dirname "$$nb")" && HF_HUB_OFFLINE=1 $(CURDIR)/$(BIN)/jupyter nbconvert --to notebook --execute \
+	  (cd "$$(dirname "$$nb")" && HF_HUB_OFFLINE=1 COURSE_REVEAL_ANSWERS=$(CURDIR)/tests/reveal_answers $(CURDIR)/$(BIN)/jupyter nbconvert --to notebook --execute \
 	    --inplace --ExecutePreprocessor.timeout=600 "$$(basename "$$nb")") || exit 1; \
 	  $(BIN)/python -c "import nbformat, sys; nb = nbformat.read(sys.argv[1], 4); \
 	    [c.metadata.pop('execution', None) for c in nb.cells]; \

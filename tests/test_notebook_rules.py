@@ -105,8 +105,9 @@ def test_lesson_within_budget(path):
 def test_outputs_that_answer_a_prediction_are_stored_collapsed(path):
     """A learner sees the stored outputs before predicting: a cell that reads a prediction (other than
     leaving it blank) prints the answer, so its output is stored collapsed (`jupyter.outputs_hidden`).
-    JupyterLab then shows a bar with the output's first line, which must not give the answer (not
-    checked here), until the learner clicks it or runs the cell. nbval still compares the output."""
+    JupyterLab then shows a bar with the output's first line, which must not give the answer (checked,
+    with the cells below a reveal that read its run's results, by tests/test_think_first.py), until the
+    learner clicks it or runs the cell. nbval still compares the output."""
     nb = nbformat.read(path, as_version=4)
     # A reveal cell (`%reveal`) stores only the line asking for a prediction: tests/test_think_first.py.
     shown = [i for i, cell in enumerate(nb.cells) if cell.cell_type == "code" and cell.outputs

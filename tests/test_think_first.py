@@ -5,7 +5,12 @@ Fast, single-process, over the committed notebooks and the exercise specs:
 - no line of a solution's answer appears in its exercise notebook's markdown or stub messages;
 - every exercise has three hints (section, API, approach) and none holds a line of its answer;
 - each lesson has its reveal cells (at least 2 in lessons 01-03, 4 in 04-05), each `%reveal <id>` of one
-  of its own predictions, after a cell that sets the prediction to None, and none stores a number.
+  of its own predictions, after a cell that sets the prediction to None, and none stores a number;
+- no other stored output gives a reveal's answer away before the learner has predicted (every lesson, any
+  number): a cell below a reveal that reads what its run published (`results["<name>"]`, for the prediction's
+  `needs` and every `cl.publish` name of the cells between the blank prediction and the reveal) is stored collapsed,
+  and the answer's values (as `make notebooks` recorded them in tests/reveal_answers/) appear in no shown
+  output and in no collapsed output's first line, the line JupyterLab shows on the collapsed bar.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import pytest
 from course_lib.grading.cells import MAX_STUB_MESSAGE, exercise_cells
 from course_lib.grading.registry import exercises_of_lesson, public_exercises
 from course_lib.predictions import all_predictions
-from course_lib.predictions.reveal import RevealError, reveal, write_first
+from course_lib.predictions.reveal import ANSWERS_ENV, RevealError, record_answer, reveal, write_first
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LESSONS = ("01", "02", "03", "04", "05", "06", "07")
@@ -31,6 +36,8 @@ STUB = re.compile(r"""NotImplementedError\((["'])(.*?)\1\)""")
 NUMBER = re.compile(r"\d[\d,_.]*\d")
 # "cell 3", "section 5", "lesson 04" point somewhere; they are not answers.
 POINTER = re.compile(r"(?i)\b(cells?|sections?|lessons?|§)\s*\d+")
+ANSWERS = ROOT / "tests" / "reveal_answers"  # lessonNN.json: {prediction id: [values]}, written by `make notebooks`
+REVEAL_LINE = re.compile(r"^\s*%reveal\s+(\S+)", re.M)
 
 
 def _cells(path: pathlib.Path) -> list[dict]:
@@ -139,6 +146,125 @@ def test_each_lesson_has_its_reveal_cells_and_none_stores_a_number(lesson):
         assert not NUMBER.search(stored), f"cell {index} stores a number: {stored!r}"
     assert sorted(used) == sorted(p for p in all_predictions() if p.startswith(f"{lesson}.")), \
         "every prediction of the lesson is revealed exactly once"
+
+
+# ---------------------------------------------------------------- no stored output gives a reveal's answer away
+
+
+def _collapsed(cell: dict) -> bool:
+    return bool(cell.get("metadata", {}).get("jupyter", {}).get("outputs_hidden"))
+
+
+def _first_line(text: str) -> str:
+    return next((line for line in text.splitlines() if line.strip()), "")
+
+
+def _number(value) -> str | None:
+    """A regex for one number of an answer as the reveal shows it (`132,096`) or as a cell may print it
+    (`132096`, `12.0`), as a whole number; None for a one-digit number, which matches too much to search
+    for (the collapse rule covers answers made of those)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if float(value).is_integer() and abs(value) < 10:
+        return None
+    forms = {f"{value:,.6g}", f"{value:.6g}", repr(value)}
+    if float(value).is_integer():
+        forms |= {f"{int(value):,}", str(int(value)), f"{float(value)}"}
+    body = "|".join(re.escape(f) for f in sorted(forms, key=len, reverse=True))
+    return rf"(?<![\d.,])(?:{body})(?![\d]|[.,]\d)"
+
+
+def _answer_pattern(values: list) -> re.Pattern | None:
+    """The answer's searchable numbers in order, with no other number between them on one line (a tuple
+    printed as the reveal would, `[2, 12, 22, 32]`; a row of the input grid that holds one of them is not
+    it). None when no number of the answer can be searched for."""
+    numbers = [n for n in map(_number, values) if n]
+    return re.compile(r"[^\d\n]*?".join(numbers)) if numbers else None
+
+
+def _answer_line(text: str, pattern: re.Pattern | None) -> str | None:
+    """The first line of `text` that shows the answer."""
+    if pattern is None:
+        return None
+    return next((line for line in text.splitlines() if pattern.search(line)), None)
+
+
+def _recorded_answers(lesson: str) -> dict:
+    path = ANSWERS / f"lesson{lesson}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+PUBLISH = re.compile(r"""\bpublish\(\s*["'](\w+)["']""")
+
+
+def _published_for(cells: list[dict], reveal_index: int) -> set[str]:
+    """The `cl.publish` names of the run a reveal measures: those of the code cells between the cell that
+    leaves the prediction blank (`... = None`) and the reveal."""
+    blank = max((i for i in range(reveal_index) if cells[i]["cell_type"] == "code"
+                 and re.search(r"^\w+\s*=\s*None\b", _source(cells[i]), re.M)), default=reveal_index)
+    return {name for cell in cells[blank:reveal_index] if cell["cell_type"] == "code"
+            for name in PUBLISH.findall(_source(cell))}
+
+
+REVEALING = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
+@pytest.mark.parametrize("path", REVEALING, ids=lambda p: p.name)
+def test_no_stored_output_gives_a_reveals_answer_away(path):
+    """README, "Predict, then measure": a learner reads the stored outputs before predicting. Below each
+    `%reveal NN.name`, a cell that reads what the prediction's run published prints the answer, so its
+    output is stored collapsed; and the answer's values, wherever they would be printed, are in no output
+    left open and in no collapsed output's first line (JupyterLab shows that line on the collapsed bar)."""
+    cells = _cells(path)
+    reveals = [(i, m.group(1)) for i, c in enumerate(cells) if c["cell_type"] == "code"
+               for m in [REVEAL_LINE.search(_source(c))] if m]
+    problems = []
+    for index, prediction_id in reveals:
+        spec = all_predictions().get(prediction_id)
+        if spec is None:
+            continue  # test_each_lesson_has_its_reveal_cells_and_none_stores_a_number names it
+        published = {spec.needs} | _published_for(cells, index)
+        keys = "|".join(re.escape(k) for k in sorted(published))
+        reads = re.compile(rf"""results(?:\[\s*|\.get\(\s*)["']({keys})["']""")
+        for later in range(index + 1, len(cells)):
+            cell = cells[later]
+            found = reads.search(_source(cell)) if cell["cell_type"] == "code" and cell.get("outputs") else None
+            if found and not _collapsed(cell):
+                problems.append(f"cell {later} reads results[{found.group(1)!r}], published by the run of "
+                                f"`%reveal {prediction_id}`, below it, and its output is not stored collapsed")
+        recorded = _recorded_answers(prediction_id.split(".")[0])
+        if prediction_id not in recorded:
+            problems.append(f"no recorded answer for {prediction_id} in {ANSWERS.relative_to(ROOT)}: "
+                            f"run `make notebooks NB=notebooks/{path.name}`")
+            continue
+        pattern = _answer_pattern(recorded[prediction_id])
+        for number, cell in enumerate(cells):
+            if cell["cell_type"] != "code" or "reveal" in cell.get("metadata", {}).get("tags", []):
+                continue
+            text = "\n".join(_text_outputs({"outputs": [out]}) for out in cell.get("outputs", []))
+            found = _answer_line(_first_line(text) if _collapsed(cell) else text, pattern)
+            if found is not None:
+                where = "the first line of its collapsed output" if _collapsed(cell) else "its stored output"
+                problems.append(f"cell {number} shows the answer to {prediction_id} "
+                                f"{recorded[prediction_id]} in {where}: {found.strip()[:120]!r}")
+    assert not problems, f"{path.name}:\n" + "\n".join(problems)
+
+
+def test_the_answer_check_finds_a_number_as_printed_and_not_inside_another(tmp_path, monkeypatch):
+    pattern = _answer_pattern([3, 132096])
+    assert _answer_line("bytes [132096, 1]", pattern) and _answer_line("396,288 B vs 132,096 B", pattern)
+    for other in ("1320960", "2,132,096", "132096.5"):
+        assert _answer_line(other, pattern) is None, other
+    assert _answer_pattern([2, True, 7.0]) is None and _answer_line("anything", None) is None
+    chunks = _answer_pattern([2.0, 12.0, 22.0, 32.0])
+    assert _answer_line("[[0.0, 1.0, 2.0, 3.0], [10.0, 11.0, 12.0, 13.0], [20.0, 21.0, 22.0, 23.0]]", chunks) is None
+    assert _answer_line("x\nrank 2: [20, 21, 22, 23] -> [2, 12, 22, 32]", chunks).startswith("rank 2")
+    assert _answer_line("[2.0, 12.0, 22.0, 32.0]", chunks)
+    assert _first_line("\n\nheader\nrank 0: 132096") == "header"
+    monkeypatch.setenv(ANSWERS_ENV, str(tmp_path))
+    record_answer("99.bytes", (3, 132096))
+    record_answer("99.other", 12)
+    assert json.loads((tmp_path / "lesson99.json").read_text()) == {"99.bytes": [3, 132096], "99.other": [12]}
 
 
 # ---------------------------------------------------------------- the reveal itself, on a made-up prediction

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import pathlib
 import textwrap
 from typing import Any, Mapping
 
@@ -9,7 +12,11 @@ from ..errors import OneLineError
 from . import prediction as find_prediction
 from .spec import Prediction
 
-__all__ = ["RevealError", "reveal", "write_first"]
+__all__ = ["ANSWERS_ENV", "RevealError", "record_answer", "reveal", "write_first"]
+
+# Set by `make notebooks`: each reveal then writes the answer it measured to <folder>/lessonNN.json, which
+# tests/test_think_first.py reads to check that no stored output shows the answer before the reveal.
+ANSWERS_ENV = "COURSE_REVEAL_ANSWERS"
 
 WRITE_FIRST = ("Write your prediction first: set {variable} in the cell above to your answer, "
                "then run this cell again.")
@@ -48,10 +55,23 @@ def measured_answer(spec: Prediction, results: Mapping, ledgers: Mapping) -> Any
     return measured
 
 
+def record_answer(prediction_id: str, measured: Any) -> None:
+    """Write `measured` to $COURSE_REVEAL_ANSWERS/lessonNN.json under the prediction's id (nothing when unset)."""
+    folder = os.environ.get(ANSWERS_ENV)
+    if not folder:
+        return
+    path = pathlib.Path(folder) / f"lesson{prediction_id.split('.')[0]}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    known = json.loads(path.read_text()) if path.exists() else {}
+    known[prediction_id] = list(_as_tuple(measured))
+    path.write_text(json.dumps(dict(sorted(known.items())), indent=1) + "\n")
+
+
 def reveal(prediction_id: str, guess: Any, results: Mapping, ledgers: Mapping, variable: str = "my_prediction") -> str:
     """The text a reveal cell prints for `guess` (None: only the line asking for a prediction)."""
     spec = find_prediction(prediction_id)
     measured = measured_answer(spec, results, ledgers)
+    record_answer(prediction_id, measured)
     if guess is None:
         return write_first(variable)
     guesses, answers = _as_tuple(guess), _as_tuple(measured)

@@ -253,7 +253,7 @@ def _overlapped(outcome: RunOutcome) -> list[str]:
             if calls[0]["start"] > times["last_ready"] or len(early) < len(calls) - 1:
                 return [f"{where}: {len(early)} of {len(calls)} all_reduce calls started before backward returned, "
                         f"{'none' if calls[0]['start'] > times['last_ready'] else 'the first'} before the last "
-                        "gradient was ready: start each bucket's all-reduce as soon as the bucket is full, while "
+                        "gradient was ready: start each bucket's all-reduce as soon as the bucket is complete, while "
                         "backward still computes the rest"]
     return []
 
