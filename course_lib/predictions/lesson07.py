@@ -31,7 +31,7 @@ def _matching_formula(results) -> tuple:
 
 def _rank0_formula(results) -> int:
     """Rank 0's rows of every parameter (torch.chunk of dim 0 over 4), three times (weights, exp_avg,
-    exp_avg_sq), 4 bytes each; the step counters (replicated) are written by other ranks here."""
+    exp_avg_sq), 4 bytes each. The step counters are left out of the question and of the measure alike."""
     published = results["four"][0]
     rows = 0
     for shape in published["shapes"].values():
@@ -39,14 +39,13 @@ def _rank0_formula(results) -> int:
         for size in shape[1:]:
             columns *= size
         rows += chunk_sizes(shape[0], 4)[0] * columns
-    counters = 4 * len(published["shapes"]) if "__0_0.distcp" in published["step_files"] else 0
-    return 3 * 4 * rows + counters
+    return 3 * 4 * rows
 
 
 def _files_formula(results) -> tuple:
     """Model alone: rank 0 of 2 holds rows [0, half), which ranks 0 and 1 of 4 saved: 2 files. With the
     optimizer: those, and every file holding one of the replicated step counters."""
-    counters = set(results["four"][0]["step_files"])
+    counters = set(results["four"][0]["step_files"].values())   # {counter's name: the file holding it}
     return 2, len({"__0_0.distcp", "__1_0.distcp"} | counters)
 
 
@@ -67,15 +66,16 @@ PREDICTIONS: dict[str, Prediction] = {
     ),
     "07.rank0_bytes": Prediction(
         id="07.rank0_bytes",
-        question="bytes of tensor data in rank 0's file of the 4-rank checkpoint (model and Adam)",
+        question="bytes of shards (rows of parameters, exp_avg, exp_avg_sq) in rank 0's file of the 4-rank checkpoint",
         needs="four",
-        measure=lambda results, ledgers: results["four"][0]["payload"]["__0_0.distcp"],
+        measure=lambda results, ledgers: results["four"][0]["shard_bytes"]["__0_0.distcp"],
         formula=_rank0_formula,
         explanation=("every parameter's dim 0 divides by 4, so rank 0 holds a quarter of the rows of each: 589 of the "
                      "2,356 parameters, and Adam's exp_avg and exp_avg_sq are sharded the same way: 3 x 589 x 4 bytes. "
-                     "Adam's step counters are the same on every rank (plain tensors, not DTensors): DCP writes each "
-                     "once, spread over the ranks by its planner, and here none landed in rank 0's file. The file on "
-                     "disk is larger: each tensor carries torch.save's header."),
+                     "The step counters (plain tensors with the same name on every rank) are written once each, by "
+                     "the rank with the fewest bytes planned when the planner reaches them; rank 0's shards come "
+                     "first in its order, so here they went to ranks 1-3 (cl.results['four'][0]['step_files']). The "
+                     "file on disk is larger: each tensor carries torch.save's header."),
         unit="B",
     ),
     "07.files_read": Prediction(
