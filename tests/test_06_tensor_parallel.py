@@ -147,3 +147,30 @@ def test_a_wrong_answer_fails_with_what_is_wrong(mistake, ranks):
     assert sum(item.score for item in items) < exercise(exercise_id).points
     if mistake == "no all-reduce in backward":   # the output is right: that point is kept
         assert "output equals one process (2 ranks)" not in failed
+
+
+def test_the_lessons_dispatch_mode_records_dtensors_all_to_all_as_on_a_cuda_mesh():
+    """On a CUDA mesh DTensor's Shard(0) <-> Shard(1) is one op, torch.ops._dtensor.shard_dim_alltoall (a CPU mesh
+    all-gathers and keeps a piece instead, `_collective_utils.shard_dim_alltoall`): the lesson's dispatch mode (cell
+    6) must record that op, which it sees whole, and its check (cell 10) expect it on a CUDA mesh. Shown here on a
+    1-rank gloo group, calling the op as the CUDA path does, so CI covers what a GPU node runs."""
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    nb = nbformat.read(ROOT / "notebooks" / NOTEBOOK, as_version=4)
+    run = next(c.source for c in nb.cells if c.cell_type == "code" and "class Collectives(" in c.source)
+    check = next(c.source for c in nb.cells if c.cell_type == "code" and "swap = " in c.source)
+    assert re.search(r'swap = "shard_dim_alltoall" if dtensor\["mesh device"\] == "cuda"', check)
+    namespace = {"torch": torch, "TorchDispatchMode": TorchDispatchMode}
+    exec(run[run.index("COLLECTIVES = "):run.index("full = ")], namespace)
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        piece = torch.arange(8.0).reshape(2, 4)
+        with namespace["Collectives"]() as seen:
+            out = torch.ops._dtensor.shard_dim_alltoall(piece, 0, 1, dist.group.WORLD.group_name)
+        assert torch.equal(out, piece)   # one rank: its rows gathered, all columns kept
+        assert seen.calls == [("shard_dim_alltoall", 32, 32)]
+    finally:
+        dist.destroy_process_group()
