@@ -196,10 +196,16 @@ def exit3_run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("cwd")
     run = launch(
         """
-        import os, time
+        import os, pathlib, time
         print(os.getcwd(), flush=True)
+        # Rank 0 exits only once rank 1 has printed: the launcher stops rank 1 as soon as rank 0 dies,
+        # and a loaded machine (CI beside another suite) once let that happen before rank 1 had printed.
         if os.environ["RANK"] == "0":
+            deadline = time.monotonic() + 30
+            while not pathlib.Path("rank1_printed").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
             os._exit(3)
+        pathlib.Path("rank1_printed").touch()
         time.sleep(60)
         """,
         2,
