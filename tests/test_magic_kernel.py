@@ -183,11 +183,23 @@ def test_parse_rejects_timeouts_that_are_not_positive_numbers(line):
         parse_torchrun_args(line)
 
 
+@pytest.mark.parametrize(("line", "restarts"), [("", 0), ("--max-restarts 1", 1), ("--max-restarts=10", 10)])
+def test_parse_max_restarts(line, restarts):
+    assert parse_torchrun_args(line).max_restarts == restarts
+
+
+@pytest.mark.parametrize("line", ["--max-restarts -1", "--max-restarts 11", "--max-restarts one"])
+def test_parse_rejects_restart_counts_out_of_range(line):
+    with pytest.raises(UsageError, match="^%%torchrun: argument --max-restarts: "):
+        parse_torchrun_args(line)
+
+
 def test_help_lists_every_option():
     """What `%%torchrun?` shows: the help text magic_arguments builds from the declared options."""
     help_text = TorchrunMagics.torchrun.__doc__
     assert help_text.splitlines()[2].startswith("  %%torchrun [-n N] [--backend {auto,gloo,nccl}]")
-    for option in ("-n N, --nproc N, --nproc-per-node N", "--backend", "--timeout SECONDS", "--expect-failure"):
+    for option in ("-n N, --nproc N, --nproc-per-node N", "--backend", "--timeout SECONDS", "--max-restarts K",
+                   "--expect-failure"):
         assert option in help_text
     assert "Run this cell as a script on N ranks" in help_text
 

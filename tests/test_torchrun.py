@@ -477,3 +477,40 @@ def test_a_cell_that_forgets_destroy_process_group_ends_cleanly_every_time():
         assert result.ok and result.exit_codes == {0: 0, 1: 0}, result.stderr
         assert result.stdout == {0: "2.0\n", 1: "2.0\n"}
         assert "terminate called" not in "".join(result.stderr.values())
+
+
+# A rank that fails on the first attempt only; no process group, so the restart itself cannot flake on gloo.
+FAILS_ON_ATTEMPT_0 = """\
+import os
+import sys
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+rank = int(os.environ["RANK"])
+print(f"attempt {attempt}, rank {rank}")
+if attempt == 0 and rank == 1:
+    print("rank 1 gives up", file=sys.stderr)
+    os._exit(3)
+"""
+
+
+def test_max_restarts_runs_again_and_shows_each_attempt_apart():
+    from course_lib.launcher.torchrun import run_torchrun
+    from course_lib.magics.torchrun_magic import cell_end
+
+    result = run_torchrun(FAILS_ON_ATTEMPT_0, 2, backend="gloo", timeout_s=60, max_restarts=1)
+    assert result.ok and result.exit_codes == {0: 0, 1: 0}, result.agent_output
+    # The last attempt's output, then each earlier one's: how it ended and what each rank printed.
+    assert result.stdout == {0: "attempt 1, rank 0\n", 1: "attempt 1, rank 1\n"}
+    assert result.stderr == {0: "", 1: ""}
+    [(ended, stdout)] = result.earlier_attempts
+    assert ended == ("attempt 0 ended: rank 1 failed with exit code 3; torchrun stopped the other ranks and "
+                     "started every rank again (restart 1 of at most 1)"), ended
+    assert stdout[1] == "attempt 0, rank 1\n"
+    assert cell_end(result, 60).earlier_attempts == result.earlier_attempts
+
+
+def test_without_restarts_a_failed_attempt_is_the_result():
+    from course_lib.launcher.torchrun import run_torchrun
+
+    result = run_torchrun(FAILS_ON_ATTEMPT_0, 2, backend="gloo", timeout_s=60)
+    assert not result.ok and result.exit_codes[1] == 3 and result.earlier_attempts == []
+    assert "rank 1 gives up" in result.stderr[1]

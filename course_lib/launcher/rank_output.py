@@ -27,12 +27,21 @@ from ..rank.contract import CELL_LABEL, log_files, parse_log_path
 
 __all__ = [
     "MAX_LINES_PER_RANK", "LogFollower", "RankFdOutput", "clean_paths", "clean_rank_text", "describe_exit", "short_frames",
-    "exit_summary", "parse_torchrun_failures", "rank_block", "ranks_phrase",
+    "attempt_failures", "exit_summary", "parse_torchrun_failures", "rank_block", "ranks_phrase",
 ]
 
 MAX_LINES_PER_RANK = 400
 
 _FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+# The agent's line for each attempt that failed: "... failed (exitcode: -9) local_rank: 1 (pid: 123) of binary: ..."
+_ATTEMPT_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+
+
+def attempt_failures(agent_output: str) -> list[tuple[int, int]]:
+    """(local rank, exit code) of the first failure torchrun saw in each failed attempt, in order."""
+    return [(int(rank), int(code)) for code, rank in _ATTEMPT_FAILED.findall(agent_output)]
 
 
 def parse_torchrun_failures(agent_output: str) -> tuple[dict[int, int], int | None]:
@@ -162,37 +171,40 @@ def exit_summary(exit_codes: dict[int, int | None], not_started: list[int] = ())
 
 
 class LogFollower:
-    """Follows `<log_dir>/<run id>/attempt_0/<local_rank>/{stdout,stderr}.log` as torchrun creates them."""
+    """Follows `<log_dir>/<run id>/attempt_<k>/<local_rank>/{stdout,stderr}.log` as torchrun creates them.
+
+    After a restart (`--max-restarts`) each attempt's text is kept apart: torchrun creates attempt
+    k+1's files only once it has stopped every process of attempt k.
+    """
 
     def __init__(self, log_dir: pathlib.Path, nproc: int):
         self.log_dir = log_dir
         self.nproc = nproc
-        self.files: dict[tuple[int, str], Any] = {}
-        self.decoders: dict[tuple[int, str], Any] = {}
-        self.text: dict[tuple[int, str], list[str]] = {
-            (r, s): [] for r in range(nproc) for s in ("stdout", "stderr")
-        }
+        self.files: dict[pathlib.Path, Any] = {}  # by path: a (rank, stream) has one file per attempt
+        self.keys: dict[pathlib.Path, tuple[int, int, str]] = {}  # (attempt, rank, stream)
+        self.decoders: dict[pathlib.Path, Any] = {}
+        self.text: dict[tuple[int, int, str], list[str]] = {}
 
     def _open_new(self) -> None:
-        if len(self.files) == 2 * self.nproc:
-            return
-        for path in log_files(self.log_dir):
+        for path in sorted(log_files(self.log_dir), key=_attempt_of):
             key = parse_log_path(path)
-            if key in self.text and key not in self.files:
-                self.files[key] = open(path, "rb")
-                self.decoders[key] = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            if key is not None and key[0] < self.nproc and path not in self.files:
+                self.files[path] = open(path, "rb")
+                self.keys[path] = (_attempt_of(path), *key)
+                self.decoders[path] = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def poll(self) -> list[tuple[int, str, str]]:
-        """New text since the last call, as (rank, stream, text)."""
+        """New text since the last call, as (rank, stream, text), earlier attempts first."""
         self._open_new()
         new = []
-        for key, handle in self.files.items():
+        for path, handle in sorted(self.files.items(), key=lambda item: _attempt_of(item[0])):
             data = handle.read()
             if data:
-                text = self.decoders[key].decode(data)
+                text = self.decoders[path].decode(data)
                 if text:
-                    self.text[key].append(text)
-                    new.append((key[0], key[1], text))
+                    attempt, rank, stream = self.keys[path]
+                    self.text.setdefault((attempt, rank, stream), []).append(text)
+                    new.append((rank, stream, text))
         return new
 
     def close(self) -> None:
@@ -201,10 +213,22 @@ class LogFollower:
 
     def started(self) -> set[int]:
         """Ranks torchrun has started: it creates a rank's log files as it starts the rank."""
-        return {rank for rank, _ in self.files}
+        return {rank for _, rank, _ in self.keys.values()}
 
-    def joined(self, stream: str) -> dict[int, str]:
-        return {r: "".join(self.text[(r, stream)]) for r in range(self.nproc)}
+    def attempts(self) -> list[int]:
+        """The attempts torchrun started, in order ([0] without a restart; [] before any rank started)."""
+        return sorted({attempt for attempt, _, _ in self.keys.values()})
+
+    def joined(self, stream: str, attempt: int | None = None) -> dict[int, str]:
+        """{rank: text} of one attempt (default: the last)."""
+        if attempt is None:
+            attempt = max(self.attempts(), default=0)
+        return {r: "".join(self.text.get((attempt, r, stream), [])) for r in range(self.nproc)}
+
+
+def _attempt_of(path: pathlib.Path) -> int:
+    """k of a log file under `.../attempt_<k>/...` (sorting by name would put attempt_10 before attempt_2)."""
+    return next((int(part[len("attempt_"):]) for part in path.parts if part.startswith("attempt_")), 0)
 
 
 class _Tail:

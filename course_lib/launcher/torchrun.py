@@ -31,7 +31,8 @@ from . import watchdog
 from .diagnosis import collect, describe_stuck
 from .processes import ProcessTree, kill_marked, new_mark
 from ..rank.rehearsal import ENV_REHEARSE
-from .rank_output import LogFollower, clean_paths, clean_rank_text, parse_torchrun_failures, without_rehearsal
+from .rank_output import (LogFollower, attempt_failures, clean_paths, clean_rank_text, describe_exit,
+                          parse_torchrun_failures, without_rehearsal)
 
 __all__ = ["LaunchResult", "TorchrunProcess", "resolve_backend", "run_torchrun", "torchrun_command"]
 
@@ -60,6 +61,9 @@ class LaunchResult:
     ledgers: dict[int, list[dict]] = dataclasses.field(default_factory=dict)  # collectives per rank (ledger.py)
     stacks: dict[int, str] = dataclasses.field(default_factory=dict)  # Python stacks of ranks stuck at the deadline
     diagnosis: list[str] = dataclasses.field(default_factory=list)  # who is stuck where, one line per state
+    # After torchrun's restarts (--max-restarts): each earlier attempt's (how it ended, {rank: stdout}).
+    # stdout, stderr, exit codes, results and ledgers above are the last attempt's.
+    earlier_attempts: list[tuple[str, dict[int, str]]] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -81,12 +85,15 @@ def resolve_backend(nproc: int, backend: str | BackendChoice) -> BackendChoice:
     return backend if isinstance(backend, BackendChoice) else choose_backend(nproc, backend)
 
 
-def torchrun_command(target: list[str], nproc: int, log_dir: str | None = None) -> list[str]:
+def torchrun_command(target: list[str], nproc: int, log_dir: str | None = None, max_restarts: int = 0) -> list[str]:
     """The command line: `python -m torch.distributed.run` is the `torchrun` entry point.
 
     `target` is `[script.py, args...]` or `["-m", "module", args...]`, as for torchrun.
+    `max_restarts`: how many times torchrun starts every rank again after one fails.
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    if max_restarts:
+        cmd.append(f"--max-restarts={max_restarts}")
     if log_dir is not None:
         cmd += [f"--log-dir={log_dir}", "--redirects=3"]
     return cmd + list(target)
@@ -177,6 +184,7 @@ def run_torchrun(
     on_poll: PollCallback | None = None,
     cwd: str | None = None,
     first_line: str = "",
+    max_restarts: int = 0,
 ) -> LaunchResult:
     """Run `script` on `nproc` ranks; return when all exit, the deadline passes, or on Ctrl-C.
 
@@ -191,13 +199,16 @@ def run_torchrun(
     after it: the script starts on line 2, so line numbers in tracebacks match a
     notebook cell whose first line is the magic.
     `backend` is a BackendChoice (used as is) or a name (see `resolve_backend`).
+    `max_restarts`: torchrun's `--max-restarts`; every attempt's output is shown, in order, and the
+    deadline covers them all.
     """
     choice = resolve_backend(nproc, backend)
     run_dir = pathlib.Path(tempfile.mkdtemp(prefix="course_lib_"))  # mode 0700
     try:
         script_path = run_dir / SCRIPT_NAME
         script_path.write_text(_with_cell_hook(script, first_line))
-        return _as_the_cell(_launch_and_follow(script_path, nproc, choice, timeout_s, on_output, on_poll, cwd))
+        return _as_the_cell(_launch_and_follow(script_path, nproc, choice, timeout_s, on_output, on_poll, cwd,
+                                               max_restarts))
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 
@@ -211,7 +222,7 @@ class TorchrunProcess:
     """
 
     def __init__(self, target: list[str], nproc: int, choice: BackendChoice, run_dir: pathlib.Path,
-                 *, cwd: str | None = None, extra_env: dict[str, str] | None = None):
+                 *, cwd: str | None = None, extra_env: dict[str, str] | None = None, max_restarts: int = 0):
         self.mark = new_mark()
         self.log_dir = run_dir / "logs"
         self.results_dir = run_dir / "results"
@@ -220,7 +231,7 @@ class TorchrunProcess:
         self.watchdog = _start_watchdog(self.mark, run_dir, {k: v for k, v in env.items() if k != ENV_LAUNCH_MARK})
         try:
             self.proc = subprocess.Popen(
-                torchrun_command(target, nproc, str(self.log_dir)),
+                torchrun_command(target, nproc, str(self.log_dir), max_restarts),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -258,9 +269,10 @@ class TorchrunProcess:
         return b"".join(self._agent_chunks).decode("utf-8", errors="replace")
 
 
-def _launch_and_follow(script_path, nproc, choice, timeout_s, on_output, on_poll, cwd):
+def _launch_and_follow(script_path, nproc, choice, timeout_s, on_output, on_poll, cwd, max_restarts=0):
     started = time.monotonic()
-    launch = TorchrunProcess(_cell_target(script_path), nproc, choice, script_path.parent, cwd=cwd)
+    launch = TorchrunProcess(_cell_target(script_path), nproc, choice, script_path.parent, cwd=cwd,
+                             max_restarts=max_restarts)
     proc, tree = launch.proc, launch.tree
     follower = LogFollower(launch.log_dir, nproc)
     timed_out = interrupted = False
@@ -305,6 +317,7 @@ def _launch_and_follow(script_path, nproc, choice, timeout_s, on_output, on_poll
 
     agent_output = launch.agent_output()
     failures, root = parse_torchrun_failures(agent_output)
+    earlier = _earlier_attempts(follower, agent_output, max_restarts, str(script_path))
     exit_codes: dict[int, int | None] = {}
     for r in range(nproc):
         if r in unfinished or r in not_started:
@@ -330,4 +343,28 @@ def _launch_and_follow(script_path, nproc, choice, timeout_s, on_output, on_poll
         ledgers=ledgers,
         stacks=stacks,
         diagnosis=describe_stuck(ledgers, stacks),
+        earlier_attempts=earlier,
     )
+
+
+def _earlier_attempts(follower: LogFollower, agent_output: str, max_restarts: int,
+                      script: str) -> list[tuple[str, dict[int, str]]]:
+    """Each attempt before the last: one line on how it ended, and what each rank printed.
+
+    Its stderr is left out: whether a surviving rank raised (its peer gone) or was stopped first by
+    torchrun varies from run to run; the line names the rank that failed first."""
+    attempts = follower.attempts()
+    seen = attempt_failures(agent_output)
+    earlier = []
+    for attempt in attempts[:-1]:
+        if attempt < len(seen):
+            rank, code = seen[attempt]
+            how = f"exit code {code}" if code >= 0 else f"signal {describe_exit(code)}"
+            ended = f"rank {rank} failed with {how}"
+        else:
+            ended = "a rank failed"
+        line = (f"attempt {attempt} ended: {ended}; torchrun stopped the other ranks and started every rank "
+                f"again (restart {attempt + 1} of at most {max_restarts})")
+        stdout = {r: clean_rank_text(r, t, script) for r, t in follower.joined("stdout", attempt).items()}
+        earlier.append((line, stdout))
+    return earlier

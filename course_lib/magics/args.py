@@ -16,11 +16,12 @@ from IPython.core.error import UsageError
 
 from ..errors import OneLineError
 
-__all__ = ["DEFAULT_NPROC", "MAX_NPROC", "CellInterrupted", "RankFailure", "parse_line", "positive_seconds",
-           "rank_count"]
+__all__ = ["DEFAULT_NPROC", "MAX_NPROC", "MAX_RESTARTS", "CellInterrupted", "RankFailure", "parse_line",
+           "positive_seconds", "rank_count", "restart_count"]
 
 DEFAULT_NPROC = 2
 MAX_NPROC = 64
+MAX_RESTARTS = 10
 
 
 def rank_count(text: str) -> int:
@@ -30,6 +31,16 @@ def rank_count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number of ranks, got {text!r}") from None
     if not 1 <= value <= MAX_NPROC:
         raise argparse.ArgumentTypeError(f"number of ranks must be between 1 and {MAX_NPROC}, got {value}")
+    return value
+
+
+def restart_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of restarts, got {text!r}") from None
+    if not 0 <= value <= MAX_RESTARTS:
+        raise argparse.ArgumentTypeError(f"restarts must be between 0 and {MAX_RESTARTS}, got {value}")
     return value
 
 

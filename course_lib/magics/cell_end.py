@@ -34,6 +34,8 @@ class CellEnd:
     stacks: dict[int, str] = dataclasses.field(default_factory=dict)  # stuck ranks' Python stacks
     interrupted: str | None = None  # the line printed before CellInterrupted; None: not interrupted
     failure: str | None = None  # why the cell failed, one sentence; None: it did not
+    # Attempts torchrun restarted after (--max-restarts): (how it ended, {rank: stdout}), shown first.
+    earlier_attempts: list[tuple[str, dict[int, str]]] = dataclasses.field(default_factory=list)
 
 
 def finish(end: CellEnd, *, expect_failure: bool) -> None:
@@ -44,6 +46,9 @@ def finish(end: CellEnd, *, expect_failure: bool) -> None:
     ledgers.update(end.ledgers)
     # A failed run finished (its ledger says where it failed: lessons read it); an interrupted one was cut off.
     mark_stale("was interrupted before its ranks finished" if end.interrupted is not None else None)
+    for ended, stdout in end.earlier_attempts:
+        print_rank_blocks(stdout, {})
+        print(ended)
     print_rank_blocks(end.stdout, end.stderr, first=end.first)
     if end.exit_line is not None:
         print(end.exit_line)

@@ -1,7 +1,7 @@
 """The `%%torchrun` cell magic: run the cell as a script on N real ranks.
 
     %load_ext course_lib
-    %%torchrun -n 2 [--backend auto|gloo|nccl] [--timeout SECONDS] [--expect-failure]
+    %%torchrun -n 2 [--backend auto|gloo|nccl] [--timeout SECONDS] [--max-restarts K] [--expect-failure]
 
 The first output line names world size, backend, device and why; rank output
 appears live while the cell runs, then as rank-ordered `[rank N]` blocks
@@ -22,7 +22,7 @@ from ..backend_choice import BACKEND_CHOICES, BackendError, choose_backend
 from ..launcher.diagnosis import consequences, ended_first, first_failure
 from ..launcher.rank_output import describe_exit, exit_summary
 from ..launcher.torchrun import LaunchResult, run_torchrun
-from .args import DEFAULT_NPROC, MAX_NPROC, parse_line, positive_seconds, rank_count
+from .args import DEFAULT_NPROC, MAX_NPROC, parse_line, positive_seconds, rank_count, restart_count
 from .cell_end import CellEnd, finish
 from .display import run_live
 
@@ -55,7 +55,8 @@ def cell_end(result: LaunchResult, timeout_s: float) -> CellEnd:
     if result.failed and not (result.timed_out or result.interrupted):
         first = first_failure(result.exit_codes, result.stderr, result.root_cause)
     end = CellEnd(result.stdout, result.stderr, result.results, result.ledgers, all_well="every rank exited 0",
-                  first=first, diagnosis=result.diagnosis, stacks=result.stacks)
+                  first=first, diagnosis=result.diagnosis, stacks=result.stacks,
+                  earlier_attempts=result.earlier_attempts)
     if result.ok:
         return end
     end.exit_line = exit_summary(result.exit_codes, result.not_started)
@@ -79,6 +80,9 @@ class TorchrunMagics(Magics):
               help="auto (default): nccl when this machine has a GPU per rank, else gloo on CPU")
     @argument("--timeout", type=positive_seconds, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
               help=f"deadline: then every process of the cell is killed (default {DEFAULT_TIMEOUT_S:g})")
+    @argument("--max-restarts", type=restart_count, default=0, metavar="K",
+              help="torchrun restarts every rank after one fails, at most K times (default 0); "
+                   "the deadline covers every attempt")
     # For lessons that demonstrate a failure: report it without raising, so
     # "Run All" goes on; a run that unexpectedly succeeds raises instead.
     @argument("--expect-failure", action="store_true",
@@ -112,6 +116,7 @@ class TorchrunMagics(Magics):
             args.nproc,
             backend=choice,
             timeout_s=args.timeout,
+            max_restarts=args.max_restarts,
             first_line=f"%%torchrun {line.strip()}".strip(),  # tracebacks then count lines as the cell does
         ))
         finish(cell_end(result, args.timeout), expect_failure=args.expect_failure)
