@@ -41,6 +41,32 @@ def assert_stub_scores_zero_with_its_first_hint_once(exercise_id: str, stub: str
     assert [found.hints[0] in test["output"] for test in tests] == [True] + [False] * (len(tests) - 1)
 
 
+_NUMBER_WORDS = {1: "one", 2: "two", 3: "three", 4: "four"}
+
+
+def assert_section_states_the_check(exercise_id: str, text: str, case_phrases=None) -> None:
+    """The exercise's section (`text`) says what its check enforces, as the learner reads it: how many runs,
+    each run's ranks and deadline, each case (the phrases `case_phrases(exercise_id, case)` gives, if
+    given), and which torch.distributed calls it allows (rank_runner blocks the others)."""
+    found = exercise(exercise_id)
+    runs = len(found.runs)
+    assert re.search(rf"\*\*Graded on\*\* ({runs}|{_NUMBER_WORDS[runs]}) runs?\b", text), \
+        f"{exercise_id}: no '**Graded on** {runs} run(s)'"
+    for run in found.runs:
+        assert re.search(rf"deadline (of )?{run.timeout_s:g} s", text), f"{exercise_id}: no deadline {run.timeout_s:g} s"
+        assert f"{run.nproc} ranks" in text, f"{exercise_id}: no '{run.nproc} ranks'"
+        for case in (run.make_inputs(run.nproc) if case_phrases else []):
+            for phrase in case_phrases(exercise_id, case):
+                assert phrase in text, f"{exercise_id}: no {phrase!r}"
+    if found.allowed_ops is None:
+        assert "Any torch.distributed call" in text, f"{exercise_id}: does not say every call is allowed"
+    else:
+        for op in sorted(found.allowed_ops):
+            assert f"`dist.{op}`" in text, f"{exercise_id}: does not allow `dist.{op}`"
+        assert "collective or point-to-point call" in text  # ... raises inside the check
+        assert "`dist.get_rank()`" in text  # not a communication: never blocked
+
+
 def assert_deadline_message(message: str, timeout_s: float, nproc: int) -> None:
     """`message` is the checker's deadline line for `nproc` ranks: "did not finish within 4 s on 2 ranks (...".
     On a loaded machine (CI) a rank may still be starting up at the first deadline, so the rank set extends it
