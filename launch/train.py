@@ -82,7 +82,9 @@ def init_distributed(timeout_s: float) -> cl.DistInfo:
     on torch 2.13 as shipped. The new attempt's workers use the same agent store as the
     dead ones, so (the likely cause) they can find the old attempt's keys there.
     A `PrefixStore` per attempt (TORCHELASTIC_RESTART_COUNT) keeps each attempt's keys apart;
-    with it tests/test_launch_restart.py passed 10 runs out of 10.
+    with it tests/test_launch_restart.py passed 10 runs out of 10. The count is each agent's own:
+    with several nodes, an agent restarted only because another node failed keeps its count
+    (a membership change, not a retry), so there the prefixes can differ: untested across nodes.
     """
     timeout = datetime.timedelta(seconds=timeout_s)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

@@ -1,11 +1,12 @@
 """`python -m course_lib.launcher.cell_script`: a lesson's %%torchrun cell written out runs with launch/local.sh."""
 
+import pathlib
 import subprocess
 import sys
 
 import pytest
 
-from course_lib.launcher.cell_script import main, torchrun_cells
+from course_lib.launcher.cell_script import main, script_of, torchrun_cells
 from launch_helpers import LAUNCH, ROOT, launch_env, run_all
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -17,8 +18,18 @@ def test_every_torchrun_cell_writes_a_script_that_compiles(notebook, tmp_path):
         out = tmp_path / f"cell{cell.number}.py"
         assert main([str(notebook), "--cell", str(cell.number), "-o", str(out)]) == 0
         text = out.read_text()
-        assert text.splitlines()[1] == f"# Run: NPROC={cell.nproc} bash launch/local.sh {out}"
+        restarts = f"MAX_RESTARTS={cell.max_restarts} " if cell.max_restarts else ""
+        assert text.splitlines()[1] == f"# Run: {restarts}NPROC={cell.nproc} bash launch/local.sh {out}"
         compile(text, str(out), "exec")
+
+
+def test_a_cell_with_max_restarts_is_run_with_them():
+    # Lesson 07's restart cell fails without torchrun's restart: the hint must carry it.
+    [cell] = [c for c in torchrun_cells(ROOT / "notebooks" / "07_checkpointing.ipynb") if "--max-restarts" in c.options]
+    assert cell.max_restarts == 1
+    text = script_of(ROOT / "notebooks" / "07_checkpointing.ipynb", cell, pathlib.Path("restart.py"))
+    assert text.splitlines()[1:3] == ["# Run: MAX_RESTARTS=1 NPROC=2 bash launch/local.sh restart.py",
+                                      "#  or: torchrun --standalone --nproc-per-node 2 --max-restarts=1 restart.py"]
 
 
 def test_listing_and_bad_input(capsys):

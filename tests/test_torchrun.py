@@ -514,3 +514,30 @@ def test_without_restarts_a_failed_attempt_is_the_result():
     result = run_torchrun(FAILS_ON_ATTEMPT_0, 2, backend="gloo", timeout_s=60)
     assert not result.ok and result.exit_codes[1] == 3 and result.earlier_attempts == []
     assert "rank 1 gives up" in result.stderr[1]
+
+
+# Both attempts talk (a store prefix per attempt: a gloo group restarted without one can fail to connect).
+TALKS_IN_BOTH_ATTEMPTS = """\
+import os
+import torch
+import torch.distributed as dist
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+store, rank, world_size = next(dist.rendezvous("env://"))
+dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt_{attempt}", store), rank=rank, world_size=world_size)
+if attempt == 0:
+    dist.all_reduce(torch.ones(2))
+    dist.barrier()
+    if rank == 1:
+        os._exit(3)
+else:
+    dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_after_a_restart_the_ledgers_are_the_last_attempts():
+    from course_lib.launcher.torchrun import run_torchrun
+
+    result = run_torchrun(TALKS_IN_BOTH_ATTEMPTS, 2, backend="gloo", timeout_s=90, max_restarts=1)
+    assert result.ok and len(result.earlier_attempts) == 1, (result.agent_output, result.stderr)
+    assert {r: [e["op"] for e in entries] for r, entries in result.ledgers.items()} == {0: ["barrier"], 1: ["barrier"]}

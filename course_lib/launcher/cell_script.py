@@ -44,6 +44,17 @@ class TorchrunCell:
         return 2  # the magic's default
 
     @property
+    def max_restarts(self) -> int:
+        """The cell's `--max-restarts K` (torchrun's own option), 0 without it."""
+        words = shlex.split(self.options)
+        for i, word in enumerate(words):
+            if word == "--max-restarts" and i + 1 < len(words):
+                return int(words[i + 1])
+            if word.startswith("--max-restarts="):
+                return int(word.split("=", 1)[1])
+        return 0
+
+    @property
     def expects_failure(self) -> bool:
         return "--expect-failure" in shlex.split(self.options)
 
@@ -66,15 +77,23 @@ def torchrun_cells(notebook: pathlib.Path) -> list[TorchrunCell]:
 
 def script_of(notebook: pathlib.Path, cell: TorchrunCell, output: pathlib.Path) -> str:
     """The script's text: a header (origin, the command that runs it), then the cell's body."""
+    restarts = cell.max_restarts
     header = [
         f"# {MAGIC} cell {cell.number} of {pathlib.Path(notebook).name} (notebook cell {cell.index + 1}), "
         f"written out by `python -m course_lib.launcher.cell_script`.",
-        f"# Run: NPROC={cell.nproc} bash launch/local.sh {output}",
-        f"#  or: torchrun --standalone --nproc-per-node {cell.nproc} {output}",
+        f"# Run: {run_command(cell, output)}",
+        f"#  or: torchrun --standalone --nproc-per-node {cell.nproc}"
+        f"{f' --max-restarts={restarts}' if restarts else ''} {output}",
     ]
     if cell.expects_failure:
         header.append("# NOTE: the lesson runs this cell with --expect-failure: it is meant to fail.")
     return "\n".join(header) + "\n" + cell.body.rstrip("\n") + "\n"
+
+
+def run_command(cell: TorchrunCell, script: pathlib.Path) -> str:
+    """How launch/local.sh runs the written script, with the cell's rank count and restarts."""
+    restarts = f"MAX_RESTARTS={cell.max_restarts} " if cell.max_restarts else ""
+    return f"{restarts}NPROC={cell.nproc} bash launch/local.sh {script}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(script_of(args.notebook, cell, pathlib.Path("script.py")))
         return 0
     args.output.write_text(script_of(args.notebook, cell, args.output))
-    print(f"wrote {args.output}; run it: NPROC={cell.nproc} bash launch/local.sh {args.output}")
+    print(f"wrote {args.output}; run it: {run_command(cell, args.output)}")
     return 0
 
 

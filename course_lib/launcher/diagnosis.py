@@ -46,10 +46,12 @@ _OURS = re.compile(r'File "(?:(?:[^"]*/)?(?:%s)|<frozen runpy>)"' % "|".join(
 _CELL_FRAME = re.compile(r'File "(?:%s|[^"]*%s)", line (\d+)' % (re.escape(CELL_LABEL), re.escape(SCRIPT_NAME)))
 
 
-def collect(results_dir: pathlib.Path, nproc: int, stuck_pids: dict[int, int]) -> tuple[dict, dict]:
+def collect(results_dir: pathlib.Path, nproc: int, stuck_pids: dict[int, int],
+            attempt: int = 0) -> tuple[dict, dict]:
     """({rank: ledger entries}, {rank: stack text}); asks the stuck ranks for their stacks first.
 
     Only instrumented ranks (see `course_lib.rank.instrument`) have a stack; the others are left out.
+    `attempt`: whose ledgers, after torchrun restarted the ranks (the running attempt's).
     """
     if hasattr(signal, "SIGUSR1"):
         for pid in stuck_pids.values():
@@ -59,7 +61,7 @@ def collect(results_dir: pathlib.Path, nproc: int, stuck_pids: dict[int, int]) -
                 pass
         if stuck_pids:
             time.sleep(STACK_WAIT_S)
-    ledgers = {r: ledger.read_ledger(str(results_dir / ledger_file(r))) for r in range(nproc)}
+    ledgers = {r: ledger.read_ledger(str(results_dir / ledger_file(r, attempt))) for r in range(nproc)}
     stacks = {}
     for rank in stuck_pids:
         path = results_dir / stacks_file(rank)

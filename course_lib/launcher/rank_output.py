@@ -211,9 +211,9 @@ class LogFollower:
         for handle in self.files.values():
             handle.close()
 
-    def started(self) -> set[int]:
-        """Ranks torchrun has started: it creates a rank's log files as it starts the rank."""
-        return {rank for _, rank, _ in self.keys.values()}
+    def started(self, attempt: int | None = None) -> set[int]:
+        """Ranks torchrun has started (in `attempt`, if given): it creates a rank's log files as it starts it."""
+        return {rank for at, rank, _ in self.keys.values() if attempt is None or at == attempt}
 
     def attempts(self) -> list[int]:
         """The attempts torchrun started, in order ([0] without a restart; [] before any rank started)."""

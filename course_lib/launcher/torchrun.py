@@ -62,7 +62,8 @@ class LaunchResult:
     stacks: dict[int, str] = dataclasses.field(default_factory=dict)  # Python stacks of ranks stuck at the deadline
     diagnosis: list[str] = dataclasses.field(default_factory=list)  # who is stuck where, one line per state
     # After torchrun's restarts (--max-restarts): each earlier attempt's (how it ended, {rank: stdout}).
-    # stdout, stderr, exit codes, results and ledgers above are the last attempt's.
+    # stdout, stderr, exit codes and ledgers above are the last attempt's; `results` holds what any attempt
+    # published, a later attempt's value replacing an earlier one's under the same name.
     earlier_attempts: list[tuple[str, dict[int, str]]] = dataclasses.field(default_factory=list)
 
     @property
@@ -307,13 +308,15 @@ def _launch_and_follow(script_path, nproc, choice, timeout_s, on_output, on_poll
         tree.refresh()
         stuck = tree.ranks()
         unfinished = sorted(stuck)
-        _, stacks = collect(launch.results_dir, nproc, {r: p.pid for r, p in stuck.items()})
+        _, stacks = collect(launch.results_dir, nproc, {r: p.pid for r, p in stuck.items()},
+                            attempt=max(follower.attempts(), default=0))
     launch.kill()
-    ledgers = {r: read_ledger(str(launch.results_dir / ledger_file(r))) for r in range(nproc)}
-    stacks = {r: clean_paths(text, str(script_path)) for r, text in stacks.items()}
     forward(follower.poll())
+    last = max(follower.attempts(), default=0)  # after torchrun's restarts, the last attempt is the result
+    ledgers = {r: read_ledger(str(launch.results_dir / ledger_file(r, last))) for r in range(nproc)}
+    stacks = {r: clean_paths(text, str(script_path)) for r, text in stacks.items()}
     follower.close()
-    not_started = sorted(set(range(nproc)) - follower.started()) if (timed_out or interrupted) else []
+    not_started = sorted(set(range(nproc)) - follower.started(last)) if (timed_out or interrupted) else []
 
     agent_output = launch.agent_output()
     failures, root = parse_torchrun_failures(agent_output)

@@ -127,7 +127,8 @@ def record_collectives() -> None:
     from . import ledger
 
     rank = os.environ.get("RANK", "0")
-    ledger.install(os.path.join(results_dir, ledger_file(rank)))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)  # > 0 after torchrun restarted the ranks
+    ledger.install(os.path.join(results_dir, ledger_file(rank, attempt)))
 
 
 def _destroy_if_open() -> None:

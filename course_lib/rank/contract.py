@@ -52,9 +52,13 @@ def parse_published(path: pathlib.Path) -> tuple[str, int]:
     return name, int(rank)
 
 
-def ledger_file(rank: int | str) -> str:
-    """The rank's collective ledger (course_lib.rank.ledger), one JSON line per event."""
-    return f"ledger.rank{rank}.jsonl"
+def ledger_file(rank: int | str, attempt: int = 0) -> str:
+    """The rank's collective ledger (course_lib.rank.ledger), one JSON line per event.
+
+    `attempt`: torchrun's restart count (TORCHELASTIC_RESTART_COUNT): after a restart each attempt
+    has a file of its own, so that the last attempt's ledger is not mixed with the dead one's.
+    """
+    return f"ledger.rank{rank}.jsonl" if not attempt else f"ledger.rank{rank}.attempt{attempt}.jsonl"
 
 
 def stacks_file(rank: int | str) -> str:
