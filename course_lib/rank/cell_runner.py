@@ -140,26 +140,6 @@ def main(argv: list[str]) -> None:
     module = _new_main(path)
     sys.argv = [path, *argv[1:]]
     exec(code, module.__dict__)
-    _release_cell_objects(module)
-
-
-def _release_cell_objects(module: types.ModuleType) -> None:
-    """Destroy what a finished cell made (its DDP, model, comm hooks, process group) now, not at finalization.
-
-    Left to interpreter finalization, torch objects that hold Python objects (DDP's reducer keeps a Python
-    comm hook and its state; gloo work keeps futures with Python callbacks) are destroyed while Python is
-    being torn down, where a thread that needs the GIL is ended by `pthread_exit` and a C++ frame in its way
-    turns that into std::terminate. That is our reading of an abort seen once in CI, after correct results,
-    on lesson 02's comm-hook cell ("terminate called without an active exception"); 54 runs of that cell
-    here did not reproduce it. Only when no other thread of the cell's still runs: it may use the names.
-    """
-    import gc
-    import threading
-
-    if threading.active_count() > 1:
-        return
-    module.__dict__.clear()
-    gc.collect()
 
 
 def _define_cell(namespace: dict) -> None:
