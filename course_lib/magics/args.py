@@ -24,24 +24,23 @@ MAX_NPROC = 64
 MAX_RESTARTS = 10
 
 
-def rank_count(text: str) -> int:
+def _whole_number(text: str, what: str, low: int, high: int) -> int:
+    """`text` as an int in [low, high], else argparse's error in one line ("... of ranks ...")."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of ranks, got {text!r}") from None
-    if not 1 <= value <= MAX_NPROC:
-        raise argparse.ArgumentTypeError(f"number of ranks must be between 1 and {MAX_NPROC}, got {value}")
+        raise argparse.ArgumentTypeError(f"expected a whole number of {what}, got {text!r}") from None
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"number of {what} must be between {low} and {high}, got {value}")
     return value
+
+
+def rank_count(text: str) -> int:
+    return _whole_number(text, "ranks", 1, MAX_NPROC)
 
 
 def restart_count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of restarts, got {text!r}") from None
-    if not 0 <= value <= MAX_RESTARTS:
-        raise argparse.ArgumentTypeError(f"restarts must be between 0 and {MAX_RESTARTS}, got {value}")
-    return value
+    return _whole_number(text, "restarts", 0, MAX_RESTARTS)
 
 
 def positive_seconds(text: str) -> float:
