@@ -26,6 +26,18 @@ def assert_full_marks(exercise_id: str, answer: str, ranks=None) -> None:
     assert sum(item.score for item in items) == exercise(exercise_id).points > 0
 
 
+def assert_loses_exactly(exercise_id: str, source: str, lost: dict, ranks=None) -> dict[str, str]:
+    """`source` fails exactly the items named in `lost` ({item: phrase, or a tuple of phrases}), each
+    message holding its phrases; returns {item: message} of the failed items for further checks."""
+    items = check_exercise(exercise(exercise_id), source, ranks=ranks)
+    got = failed_items(items)
+    assert sorted(got) == sorted(lost), "\n".join(map(item_line, items))
+    for name, phrases in lost.items():
+        for phrase in phrases if isinstance(phrases, tuple) else (phrases,):
+            assert phrase in got[name], f"{name}: {got[name]!r} lacks {phrase!r}"
+    return got
+
+
 def assert_stub_scores_zero_with_its_first_hint_once(exercise_id: str, stub: str, ranks=None) -> None:
     """Every item fails on the stub's NotImplementedError, named by rank, with no hint in its message;
     Gradescope's results show the exercise's first hint (the lesson's section) once."""

@@ -12,14 +12,14 @@ import nbformat
 import pytest
 
 import grading_answers as answers
-from exercise_checks import (assert_deadline_message, assert_full_marks, assert_section_states_the_check,
-                             assert_stub_scores_zero_with_its_first_hint_once, failed_items)
+from exercise_checks import (assert_deadline_message, assert_full_marks, assert_loses_exactly, assert_section_states_the_check,
+                             assert_stub_scores_zero_with_its_first_hint_once)
 from exercise_notebooks import notebook_path, exercise_sections, markdown_cells
 from test_magic_kernel import Kernel
 from course_lib.grading.cells import EXERCISE_ID, exercise_cells
 from course_lib.grading.checker import Limits, check_exercise
 from course_lib.grading.registry import exercise, exercises_of_lesson
-from course_lib.grading.report import hint_line, item_line
+from course_lib.grading.report import hint_line
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SOLUTIONS = exercise_cells(nbformat.read(notebook_path("solutions", "01_process_groups.ipynb"), as_version=4))
@@ -134,11 +134,7 @@ WRONG = [
 
 @pytest.mark.parametrize("exercise_id, source, lost", WRONG)
 def test_wrong_answer_loses_the_right_points_and_says_why(exercise_id, source, lost):
-    items = check_exercise(exercise(exercise_id), source)
-    got = failed_items(items)
-    assert sorted(got) == sorted(lost), "\n".join(map(item_line, items))
-    for name, phrase in lost.items():
-        assert phrase in got[name], f"{name}: {got[name]!r} lacks {phrase!r}"
+    assert_loses_exactly(exercise_id, source, lost)
 
 
 def test_ring_with_the_wrong_neighbour_hangs_on_4_ranks_and_the_deadline_says_where():

@@ -20,8 +20,8 @@ import pytest
 
 import grading_answers_04 as answers
 from exercise_checks import (
-    assert_full_marks, assert_hang_is_named, assert_section_states_the_check,
-    assert_stub_scores_zero_with_its_first_hint_once, failed_items)
+    assert_full_marks, assert_hang_is_named, assert_loses_exactly, assert_section_states_the_check,
+    assert_stub_scores_zero_with_its_first_hint_once)
 from exercise_notebooks import notebook_path, exercise_sections, markdown_cells
 from course_lib import theory
 from course_lib.grading.cells import EXERCISE_ID, exercise_cells
@@ -422,11 +422,7 @@ WRONG += [
 
 @pytest.mark.parametrize("exercise_id, source, lost", WRONG)
 def test_wrong_answer_loses_the_right_points_and_says_why(exercise_id, source, lost, ranks):
-    items = check_exercise(exercise(exercise_id), source, ranks=ranks)
-    got = failed_items(items)
-    assert sorted(got) == sorted(lost), "\n".join(map(item_line, items))
-    for name, phrase in lost.items():
-        assert phrase in got[name], f"{name}: {got[name]!r} lacks {phrase!r}"
+    assert_loses_exactly(exercise_id, source, lost, ranks=ranks)
 
 
 def test_offload_to_cpu_on_a_cpu_model_is_named_or_works(ranks):

@@ -20,8 +20,8 @@ import torch
 
 import grading_answers_05 as answers
 from exercise_checks import (
-    assert_full_marks, assert_hang_is_named, assert_section_states_the_check,
-    assert_stub_scores_zero_with_its_first_hint_once, failed_items)
+    assert_full_marks, assert_hang_is_named, assert_loses_exactly, assert_section_states_the_check,
+    assert_stub_scores_zero_with_its_first_hint_once)
 from exercise_notebooks import notebook_path, exercise_sections, markdown_cells
 from course_lib import theory
 from course_lib.grading.cells import EXERCISE_ID, exercise_cells
@@ -342,14 +342,10 @@ NAMED = {answers.SHARD_MESH_OF_2: r"rank [23] raised", answers.META_NO_BROADCAST
 
 @pytest.mark.parametrize("exercise_id, source, lost", WRONG)
 def test_wrong_answer_loses_the_right_points_and_says_why(exercise_id, source, lost, ranks):
-    items = check_exercise(exercise(exercise_id), source, ranks=ranks)
-    got = failed_items(items)
-    assert sorted(got) == sorted(lost), "\n".join(map(item_line, items))
-    for name, phrases in lost.items():
-        # A tuple: words around a rank number that depends on which of several failing ranks ended first.
-        for phrase in phrases if isinstance(phrases, tuple) else (phrases,):
-            assert phrase in got[name], f"{name}: {got[name]!r} lacks {phrase!r}"
-        assert re.match(NAMED.get(source, r"rank 0[,: ]"), got[name]), got[name]
+    # A tuple of phrases: words around a rank number that depends on which of several failing ranks ended first.
+    got = assert_loses_exactly(exercise_id, source, lost, ranks=ranks)
+    for message in got.values():
+        assert re.match(NAMED.get(source, r"rank 0[,: ]"), message), message
 
 
 HANGS = [
