@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from ..vocabulary import SENDS
 
-__all__ = ["first_difference", "ops_called", "bytes_sent"]
+if TYPE_CHECKING:
+    from .spec import CaseResult, RunOutcome
+
+__all__ = ["bytes_sent", "each_result", "first_difference", "ops_called"]
+
+
+def each_result(outcome: "RunOutcome") -> Iterator[tuple[int, int, "CaseResult"]]:
+    """Every (case, rank, result) of a run: cases in order, ranks sorted within each (the judges' loop)."""
+    for case, by_rank in enumerate(outcome.results):
+        for rank in sorted(by_rank):
+            yield case, rank, by_rank[rank]
 
 
 def first_difference(got: Any, expected: Any, *, rtol: float = 0.0, atol: float = 0.0) -> str:
