@@ -1,8 +1,14 @@
-"""Shared by every test under tests/ (not by the notebooks nbval runs from notebooks/, solutions/, exercises/)."""
+"""Shared by every test under tests/; and, when the notebooks are collected with tests/ (`make test`), one
+more item after each lesson notebook: its reveals run again after Run All (tests/reveals_after_run_all.py)."""
 
 import pytest
+from reveals_after_run_all import add_reveal_items
 
 from course_lib.rank.rehearsal import ENV_REHEARSE
+
+
+def pytest_collection_modifyitems(items):
+    add_reveal_items(items)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -310,18 +310,43 @@ def test_a_reveal_refuses_before_its_run_and_when_torch_disagrees_with_the_formu
         reveal("99.bytes", None, results, ledgers)
 
 
-def test_the_reveal_magic_reads_the_learners_variable_and_says_bad_input_in_one_line(monkeypatch, capsys):
+@pytest.fixture
+def kernel_state():
+    """cl.results, cl.ledgers, each name's run record and the first answers, emptied and put back after."""
+    import importlib
+
+    # `course_lib.results` the attribute is cl.results (the dict); the module is reached by its name.
+    results_module = importlib.import_module("course_lib.results")
+    reveal_module = importlib.import_module("course_lib.predictions.reveal")
+
+    saved = (dict(results_module.results.unchecked()), dict(results_module.ledgers.unchecked()),
+             dict(results_module._ledgers_by_name), dict(reveal_module._first_answers))
+    for kept in (results_module.results, results_module.ledgers, results_module._ledgers_by_name,
+                 reveal_module._first_answers):
+        dict.clear(kept)
+    yield results_module
+    for kept, values in zip((results_module.results, results_module.ledgers, results_module._ledgers_by_name,
+                             reveal_module._first_answers), saved):
+        dict.clear(kept)
+        dict.update(kept, values)
+    results_module.mark_stale(None)
+
+
+def _magics(**user_ns):
     import types
 
-    import course_lib.magics.reveal_magic as magic_module
+    # The magic's method with a stand-in for the kernel's shell: a real InteractiveShell would stay this
+    # process's singleton and change how display() behaves in the tests that run after this one.
+    return types.SimpleNamespace(shell=types.SimpleNamespace(user_ns={"my_prediction": None, **user_ns}))
+
+
+def test_the_reveal_magic_reads_the_learners_variable_and_says_bad_input_in_one_line(monkeypatch, capsys,
+                                                                                     kernel_state):
     from course_lib.magics.reveal_magic import RevealMagics, RevealUsageError
 
     results, ledgers = _fake(monkeypatch)
-    monkeypatch.setattr(magic_module, "results", results)
-    monkeypatch.setattr(magic_module, "ledgers", ledgers)
-    # The magic's method with a stand-in for the kernel's shell: a real InteractiveShell would stay this
-    # process's singleton and change how display() behaves in the tests that run after this one.
-    magics = types.SimpleNamespace(shell=types.SimpleNamespace(user_ns={"my_prediction": None}))
+    kernel_state.record_run(results, ledgers, finished=True)
+    magics = _magics()
     RevealMagics.reveal_line(magics, "99.bytes")
     assert capsys.readouterr().out.strip() == write_first("my_prediction")
     magics.shell.user_ns["my_bytes"] = 12
@@ -331,6 +356,43 @@ def test_the_reveal_magic_reads_the_learners_variable_and_says_bad_input_in_one_
         with pytest.raises(RevealUsageError, match=says) as raised:
             RevealMagics.reveal_line(magics, line)
         assert len(raised.value._render_traceback_()) == 1
+
+
+def test_a_reveal_measures_its_own_run_whatever_multi_rank_cell_ran_after_it(monkeypatch, capsys, kernel_state):
+    """Run All, then back to a prediction: cl.ledgers is the last cell's (no bytes here), the reveal's run is kept."""
+    from course_lib.magics.reveal_magic import RevealMagics
+
+    results, ledgers = _fake(monkeypatch)
+    kernel_state.record_run(results, ledgers, finished=True)
+    kernel_state.record_run({"later": {0: 1}}, {0: [{"bytes": 0}]}, finished=True)  # a later cell: other ledgers
+    assert kernel_state.ledgers[0] == [{"bytes": 0}]
+    RevealMagics.reveal_line(_magics(my_prediction=12), "99.bytes")
+    assert "measured 12 B (within 1%): right." in capsys.readouterr().out
+
+
+def test_a_reveal_whose_run_was_cut_off_or_never_ran_asks_for_that_cell_in_one_line(monkeypatch, kernel_state):
+    from course_lib.magics.reveal_magic import RevealMagics
+
+    results, ledgers = _fake(monkeypatch)
+    with pytest.raises(RevealError, match="run the cell above that publishes 'sent'") as raised:
+        RevealMagics.reveal_line(_magics(my_prediction=12), "99.bytes")  # a fresh kernel: nothing ran
+    assert len(raised.value._render_traceback_()) == 1
+    kernel_state.record_run(results, ledgers, finished=True)
+    kernel_state.record_run(results, {0: [{"bytes": 6}]}, finished=False)  # the same cell, interrupted
+    kernel_state.mark_stale("was interrupted before its ranks finished")
+    with pytest.raises(RevealError, match="nothing measured yet"):
+        RevealMagics.reveal_line(_magics(my_prediction=12), "99.bytes")
+
+
+def test_the_first_answer_is_the_one_scored_and_stays_beside_a_later_one(monkeypatch, kernel_state):
+    results, ledgers = _fake(monkeypatch)
+    first = reveal("99.bytes", 30, results, ledgers)
+    assert "not this time" in first and "first prediction" not in first
+    second = reveal("99.bytes", 12, results, ledgers)
+    assert "you predicted 12 B; measured 12 B (within 1%): right." in second
+    assert "Your first prediction, 30 B, is the one that counts: not this time." in second
+    assert "first prediction" not in reveal("99.bytes", 30, results, ledgers)  # the first again: nothing to add
+    assert all(len(line) <= 100 for line in second.splitlines())
 
 
 def test_hints_go_one_level_further_after_each_failed_check_and_stay_at_the_last():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..results import ledgers, mark_stale, results
+from ..results import mark_stale, record_run
 from .args import CellInterrupted, RankFailure
 from .display import print_diagnosis, print_rank_blocks
 
@@ -40,10 +40,7 @@ class CellEnd:
 
 def finish(end: CellEnd, *, expect_failure: bool) -> None:
     """Record what the ranks sent back, show what they wrote, then raise as the cell ended (see module docstring)."""
-    for name, by_rank in end.published.items():
-        results[name] = dict(sorted(by_rank.items()))
-    ledgers.clear()
-    ledgers.update(end.ledgers)
+    record_run(end.published, end.ledgers, finished=end.interrupted is None)
     # A failed run finished (its ledger says where it failed: lessons read it); an interrupted one was cut off.
     mark_stale("was interrupted before its ranks finished" if end.interrupted is not None else None)
     for ended, stdout in end.earlier_attempts:

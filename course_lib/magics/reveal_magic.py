@@ -5,9 +5,8 @@ from __future__ import annotations
 from IPython.core.magic import Magics, line_magic, magics_class
 
 from ..errors import OneLineError
-from ..predictions import UnknownPrediction
-from ..predictions.reveal import reveal
-from ..results import ledgers, results
+from ..predictions import UnknownPrediction, prediction
+from ..predictions.reveal import reveal, run_record
 
 __all__ = ["RevealMagics"]
 
@@ -28,6 +27,9 @@ class RevealMagics(Magics):
         variable = words[1] if len(words) == 2 else "my_prediction"
         guess = self.shell.user_ns.get(variable)
         try:
-            print(reveal(words[0], guess, results, ledgers, variable=variable))
+            spec = prediction(words[0])
         except UnknownPrediction as exc:
             raise RevealUsageError(str(exc)) from None
+        # The run that published what this prediction needs, not whatever multi-rank cell ran last.
+        results, ledgers = run_record(spec.needs)
+        print(reveal(spec.id, guess, results, ledgers, variable=variable))

@@ -12,7 +12,7 @@ from ..errors import OneLineError
 from . import prediction as find_prediction
 from .spec import Prediction
 
-__all__ = ["ANSWERS_ENV", "RevealError", "record_answer", "reveal", "write_first"]
+__all__ = ["ANSWERS_ENV", "RevealError", "forget_first_answers", "record_answer", "reveal", "run_record", "write_first"]
 
 # Set by `make notebooks`: each reveal then writes the answer it measured to <folder>/lessonNN.json, which
 # tests/test_think_first.py reads to check that no stored output shows the answer before the reveal.
@@ -31,6 +31,35 @@ def write_first(variable: str) -> str:
     return WRITE_FIRST.format(variable=variable)
 
 
+# prediction id -> the learner's first answer in this kernel: the one scored, shown beside any later one
+# (after a reveal shows the measured answer, a second try would otherwise always read "right").
+_first_answers: dict[str, tuple] = {}
+
+WIDTH = 100  # reveal lines wrap here (JupyterLab's output area shows about this many columns)
+
+
+def forget_first_answers() -> None:
+    """Forget every first answer (tests; a kernel restart does the same)."""
+    _first_answers.clear()
+
+
+def run_record(needs: str) -> tuple[Mapping, Mapping]:
+    """(results, ledgers) of the finished run that published `needs`: a reveal measures its own run cell,
+    whatever multi-rank cell ran after it. RevealError (one line) when no finished run has published it
+    (not run yet, interrupted, or the kernel restarted)."""
+    from ..results import ledgers_of, results
+
+    run_ledgers = ledgers_of(needs)
+    if run_ledgers is None:
+        raise RevealError(_not_run(needs))
+    return results.unchecked(), run_ledgers
+
+
+def _not_run(needs: str) -> str:
+    return (f"nothing measured yet: run the cell above that publishes {needs!r} (its cl.publish({needs!r}, ...)) "
+            "to the end, then this one")
+
+
 def _as_tuple(value: Any) -> tuple:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,)
 
@@ -45,8 +74,7 @@ def _shown(value: Any, unit: str) -> str:
 def measured_answer(spec: Prediction, results: Mapping, ledgers: Mapping) -> Any:
     """The measured answer, asserted equal to the lesson's formula (RevealError if the run is missing or they differ)."""
     if spec.needs not in results:
-        raise RevealError(f"nothing measured yet: run the cell that publishes {spec.needs!r} (above), "
-                          "then this one")
+        raise RevealError(_not_run(spec.needs))
     measured = spec.measure(results, ledgers)
     expected = spec.formula(results)
     if _as_tuple(measured) != _as_tuple(expected):
@@ -78,9 +106,18 @@ def reveal(prediction_id: str, guess: Any, results: Mapping, ledgers: Mapping, v
     if len(guesses) != len(answers) or not all(isinstance(g, (int, float)) for g in guesses):
         raise RevealError(f"{variable} should be {len(answers)} number{'s' if len(answers) > 1 else ''} "
                           f"({spec.question}), got {guess!r}")
-    right = all(spec.tolerance.accepts(g, a) for g, a in zip(guesses, answers))
-    verdict = "right" if right else "not this time"
+    verdict = _verdict(spec, guesses, answers)
     lines = [f"{spec.question}: you predicted {_shown(guess, spec.unit)}; measured {_shown(measured, spec.unit)} "
-             f"({spec.tolerance}): {verdict}.",
-             *textwrap.wrap("Why: " + spec.explanation, width=100)]
-    return "\n".join(lines)
+             f"({spec.tolerance}): {verdict}."]
+    first = _first_answers.setdefault(prediction_id, guesses)
+    if first != guesses:
+        lines.append(f"Your first prediction, {_shown(first, spec.unit)}, is the one that counts: "
+                     f"{_verdict(spec, first, answers)}.")
+    lines.append("Why: " + spec.explanation)
+    return "\n".join(wrapped for line in lines for wrapped in textwrap.wrap(line, width=WIDTH, subsequent_indent="  ",
+                                                                          break_on_hyphens=False))
+
+
+def _verdict(spec: Prediction, guesses: tuple, answers: tuple) -> str:
+    right = all(spec.tolerance.accepts(g, a) for g, a in zip(guesses, answers))
+    return "right" if right else "not this time"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ....units import binary_bytes
-from ...compare import first_difference
+from ...compare import each_result, first_difference
 from ...spec import Exercise, Item, RunOutcome, RunSpec
 from .common import ALL_REDUCE, ATOL, DDP_PRELOAD, LR, NAMES, RTOL, _batch, _sgd_step, _weights
 
@@ -91,13 +91,12 @@ def _synchronised_once(outcome: RunOutcome) -> list[str]:
 
 def _gradients_cleared(outcome: RunOutcome) -> list[str]:
     """No gradient left after the step (optimizer.zero_grad(): None, or zeros)."""
-    for case, by_rank in enumerate(outcome.results):
-        for rank, result in sorted(by_rank.items()):
-            for name in NAMES:
-                grad = result.output["grads"][name]
-                if grad is not None and bool(grad.ne(0).any()):
-                    return [f"rank {rank}, {_micro_label(outcome, case)}: {name}.grad is not zero after the step; "
-                            "call optimizer.zero_grad() after optimizer.step(), or the next step adds to it"]
+    for case, rank, result in each_result(outcome):
+        for name in NAMES:
+            grad = result.output["grads"][name]
+            if grad is not None and bool(grad.ne(0).any()):
+                return [f"rank {rank}, {_micro_label(outcome, case)}: {name}.grad is not zero after the step; "
+                        "call optimizer.zero_grad() after optimizer.step(), or the next step adds to it"]
     return []
 
 

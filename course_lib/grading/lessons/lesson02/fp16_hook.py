@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ....units import binary_bytes
-from ...compare import first_difference
+from ...compare import each_result, first_difference
 from ...spec import Exercise, Item, RunOutcome, RunSpec
 from .common import (ALL_REDUCE, DDP_PRELOAD, FP16_ATOL, FP16_RTOL, NAMES, _batch_label, _full_batch, _grads,
                      _ratio_hint, _shard_cases)
@@ -14,14 +14,13 @@ def _own_hook(judge):
     """`judge`, after checking that the hook did not use torch's own compression hooks."""
 
     def judged(outcome: RunOutcome) -> list[str]:
-        for by_rank in outcome.results:
-            for rank, result in sorted(by_rank.items()):
-                # fp16_compress_hook and bf16_compress_hook call _compress_hook: name what the learner called.
-                used = [n for n in result.output["torch_compression"] if n != "_compress_hook"] or \
-                    result.output["torch_compression"]
-                if used:
-                    return [f"rank {rank}: your hook uses torch's own {', '.join(used)}; write the compression "
-                            "yourself (cast, divide, all_reduce, cast back)"]
+        for _, rank, result in each_result(outcome):
+            # fp16_compress_hook and bf16_compress_hook call _compress_hook: name what the learner called.
+            used = [n for n in result.output["torch_compression"] if n != "_compress_hook"] or \
+                result.output["torch_compression"]
+            if used:
+                return [f"rank {rank}: your hook uses torch's own {', '.join(used)}; write the compression "
+                        "yourself (cast, divide, all_reduce, cast back)"]
         return judge(outcome)
 
     judged.__doc__ = judge.__doc__
@@ -69,33 +68,31 @@ def _hook_grads(outcome: RunOutcome) -> list[str]:
 
 def _float16_on_the_wire(outcome: RunOutcome) -> list[str]:
     """The ledger: one all_reduce per DDP bucket, float16, 2 bytes per gradient element."""
-    for case, by_rank in enumerate(outcome.results):
-        for rank, result in sorted(by_rank.items()):
-            buckets = result.output["buckets"]
-            calls = [entry for entry in result.ledger if entry["op"] == "all_reduce"]
-            where = f"rank {rank}, {_batch_label(outcome, case)}"
-            expected = ", ".join(f"float16 of {binary_bytes(2 * numel)}" for numel in buckets)
-            got = ", ".join(f"{entry['dtype']} of {binary_bytes(entry['bytes'])}" for entry in calls)
-            if [(e["dtype"], e["bytes"]) for e in calls] == [("float16", 2 * numel) for numel in buckets]:
-                continue
-            hint = ""
-            if calls and all(e["dtype"] == "float32" for e in calls):
-                hint = (": float32 on the wire, twice the bytes; all-reduce bucket.buffer().to(torch.float16), "
-                        "not the buffer itself")
-            return [f"{where}: all_reduce {got or 'never called'}, expected {len(buckets)} call"
-                    f"{'s' if len(buckets) != 1 else ''}: {expected} (half the float32 gradients' bytes){hint}"]
+    for case, rank, result in each_result(outcome):
+        buckets = result.output["buckets"]
+        calls = [entry for entry in result.ledger if entry["op"] == "all_reduce"]
+        where = f"rank {rank}, {_batch_label(outcome, case)}"
+        expected = ", ".join(f"float16 of {binary_bytes(2 * numel)}" for numel in buckets)
+        got = ", ".join(f"{entry['dtype']} of {binary_bytes(entry['bytes'])}" for entry in calls)
+        if [(e["dtype"], e["bytes"]) for e in calls] == [("float16", 2 * numel) for numel in buckets]:
+            continue
+        hint = ""
+        if calls and all(e["dtype"] == "float32" for e in calls):
+            hint = (": float32 on the wire, twice the bytes; all-reduce bucket.buffer().to(torch.float16), "
+                    "not the buffer itself")
+        return [f"{where}: all_reduce {got or 'never called'}, expected {len(buckets)} call"
+                f"{'s' if len(buckets) != 1 else ''}: {expected} (half the float32 gradients' bytes){hint}"]
     return []
 
 
 def _asynchronous(outcome: RunOutcome) -> list[str]:
     """The ledger: the hook's all_reduce was started with async_op=True (backward goes on meanwhile)."""
-    for case, by_rank in enumerate(outcome.results):
-        for rank, result in sorted(by_rank.items()):
-            blocking = [e for e in result.ledger if e["op"] == "all_reduce" and not e["async"]]
-            if blocking:
-                return [f"rank {rank}, {_batch_label(outcome, case)}: the all_reduce was not asynchronous, so "
-                        "backward waited for it; call dist.all_reduce(..., async_op=True) and return "
-                        ".get_future().then(...)"]
+    for case, rank, result in each_result(outcome):
+        blocking = [e for e in result.ledger if e["op"] == "all_reduce" and not e["async"]]
+        if blocking:
+            return [f"rank {rank}, {_batch_label(outcome, case)}: the all_reduce was not asynchronous, so "
+                    "backward waited for it; call dist.all_reduce(..., async_op=True) and return "
+                    ".get_future().then(...)"]
     return []
 
 

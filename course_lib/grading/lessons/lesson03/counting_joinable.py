@@ -11,6 +11,7 @@ a maximum, a post_hook that records nothing, an object that is not a Joinable.
 
 from __future__ import annotations
 
+from ...compare import each_result
 from ...spec import Exercise, Item, RunOutcome, RunSpec
 from .common import ALL_REDUCE, counts_label
 
@@ -31,12 +32,11 @@ def _label(outcome: RunOutcome, case: int) -> str:
 
 
 def _not_joinable(outcome: RunOutcome) -> str:
-    for case, by_rank in enumerate(outcome.results):
-        for rank, result in sorted(by_rank.items()):
-            if "not_joinable" in result.output:
-                return (f"rank {rank}, {_label(outcome, case)}: Counter() made a "
-                        f"{result.output['not_joinable']}, not a Joinable; subclass "
-                        "torch.distributed.algorithms.join.Joinable")
+    for case, rank, result in each_result(outcome):
+        if "not_joinable" in result.output:
+            return (f"rank {rank}, {_label(outcome, case)}: Counter() made a "
+                    f"{result.output['not_joinable']}, not a Joinable; subclass "
+                    "torch.distributed.algorithms.join.Joinable")
     return ""
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from ....theory import fsdp2_step_collectives
 from ....vocabulary import data_flow
+from ...compare import each_result
 from ...spec import Exercise, Item, RunOutcome, RunSpec
 from .common import FSDP2_OPS, FSDP2_PRELOAD, LR, TOY_2, batch, rows_text, rows_wrong, sgd_reference, toy, toy_weights
 
@@ -56,11 +57,10 @@ def _label(outcome: RunOutcome, case: int) -> str:
 
 
 def _returned(outcome: RunOutcome) -> list[str]:
-    for case, by_rank in enumerate(outcome.results):
-        for rank, result in sorted(by_rank.items()):
-            if "returned" in result.output:
-                return [f"rank {rank}, {_label(outcome, case)}: shard_hsdp returned a {result.output['returned']}, "
-                        "expected the DeviceMesh it sharded the model over"]
+    for case, rank, result in each_result(outcome):
+        if "returned" in result.output:
+            return [f"rank {rank}, {_label(outcome, case)}: shard_hsdp returned a {result.output['returned']}, "
+                    "expected the DeviceMesh it sharded the model over"]
     return []
 
 

@@ -16,7 +16,7 @@ gradient returned. What is not caught: a whole weight kept as N separate pieces 
 from __future__ import annotations
 
 from ....vocabulary import data_flow
-from ...compare import first_difference
+from ...compare import each_result, first_difference
 from ...spec import Exercise, Item, RunOutcome, RunSpec
 from .common import ATOL, FSDP2_PRELOAD, LR, RTOL, batch, floats, rows_text, shard_rows, weights_of
 
@@ -90,10 +90,9 @@ def _one_process(outcome: RunOutcome, case: int, steps: int, rank: int | None = 
 
 def _problem(outcome: RunOutcome) -> list[str]:
     """The module's own problem (its parameters are not this rank's rows), said the same for every item."""
-    for case, by_rank in enumerate(outcome.results):
-        for rank, result in sorted(by_rank.items()):
-            if "problem" in result.output:
-                return [f"rank {rank}, {_label(outcome, case)}: {result.output['problem']}"]
+    for case, rank, result in each_result(outcome):
+        if "problem" in result.output:
+            return [f"rank {rank}, {_label(outcome, case)}: {result.output['problem']}"]
     return []
 
 
@@ -236,18 +235,17 @@ def _reduced(outcome: RunOutcome) -> list[str]:
     problem = _problem(outcome)
     if problem:
         return problem
-    for case, by_rank in enumerate(outcome.results):
-        for rank, result in sorted(by_rank.items()):
-            where = f"rank {rank}, {_label(outcome, case)}"
-            reduced = [e for e in result.ledger if data_flow(e["op"]) == "all_reduce"]
-            if reduced:
-                return [f"{where}: all_reduce of {floats(reduced[0]['bytes'])}: every rank receives the whole "
-                        "gradient and keeps only its rows of it; a reduce-scatter gives each rank only its rows, "
-                        "with half the traffic (a ring all-reduce is a reduce-scatter, then an all-gather)"]
-            scattered = len(_in(result.ledger, result.output["backward"], "reduce_scatter"))
-            if scattered < len(LAYER_NAMES):
-                return [f"{where}: backward reduce-scattered {scattered} times, expected at least once per layer "
-                        f"({len(LAYER_NAMES)}): each rank's rows of the gradient are reduced over the ranks"]
+    for case, rank, result in each_result(outcome):
+        where = f"rank {rank}, {_label(outcome, case)}"
+        reduced = [e for e in result.ledger if data_flow(e["op"]) == "all_reduce"]
+        if reduced:
+            return [f"{where}: all_reduce of {floats(reduced[0]['bytes'])}: every rank receives the whole "
+                    "gradient and keeps only its rows of it; a reduce-scatter gives each rank only its rows, "
+                    "with half the traffic (a ring all-reduce is a reduce-scatter, then an all-gather)"]
+        scattered = len(_in(result.ledger, result.output["backward"], "reduce_scatter"))
+        if scattered < len(LAYER_NAMES):
+            return [f"{where}: backward reduce-scattered {scattered} times, expected at least once per layer "
+                    f"({len(LAYER_NAMES)}): each rank's rows of the gradient are reduced over the ranks"]
     return []
 
 
