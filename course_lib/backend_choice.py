@@ -8,10 +8,16 @@ reason, which the first output line of a multi-rank cell shows.
 from __future__ import annotations
 
 import dataclasses
+import os
 
-__all__ = ["BACKEND_CHOICES", "BackendChoice", "BackendError", "choose_backend", "gpu_count"]
+__all__ = ["BACKEND_CHOICES", "ENV_GLOO_ON_SHARED_GPU", "BackendChoice", "BackendError", "choose_backend", "gpu_count"]
 
 BACKEND_CHOICES = ("auto", "gloo", "nccl")
+
+# "1": where there are fewer GPUs than ranks, `auto` gives gloo moving CUDA tensors, the ranks sharing the
+# GPUs (rank r on cuda:r % gpus), instead of gloo on CPU. Only the GPU script sets it (tests/gpu_node/):
+# on a machine with one GPU it runs a 2-rank cell's device paths, which 1-rank NCCL cannot.
+ENV_GLOO_ON_SHARED_GPU = "COURSE_GLOO_ON_SHARED_GPU"
 
 
 class BackendError(ValueError):
@@ -65,5 +71,8 @@ def choose_backend(nproc: int, requested: str = "auto", *, gpus: int | None = No
     if gpus == 0:
         return BackendChoice("gloo", "cpu", "no CUDA GPU found")
     if gpus < nproc:
+        if os.environ.get(ENV_GLOO_ON_SHARED_GPU) == "1":
+            return BackendChoice("gloo", "cuda", f"{gpus} {gpu_word} for {nproc} ranks, shared: gloo moving CUDA "
+                                                 f"tensors ({ENV_GLOO_ON_SHARED_GPU}=1)")
         return BackendChoice("gloo", "cpu", f"{gpus} {gpu_word} for {nproc} ranks; NCCL needs one GPU per rank")
     return BackendChoice("nccl", "cuda", f"{gpus} {gpu_word} found, one per rank")

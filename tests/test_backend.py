@@ -102,3 +102,19 @@ def test_header_names_world_size_backend_device_and_reason(nproc, expected):
 
 def test_header_for_nccl():
     assert choose_backend(2, gpus=2).header(2) == "[torchrun] 2 ranks, backend nccl on cuda (2 GPUs found, one per rank)"
+
+
+def test_the_gpu_script_can_have_ranks_share_a_gpu_through_gloo(monkeypatch):
+    """COURSE_GLOO_ON_SHARED_GPU=1 (tests/gpu_node/ only): fewer GPUs than ranks gives gloo on CUDA, said in
+    the header; without it, or without any GPU, gloo stays on the CPU; a GPU per rank is NCCL either way."""
+    from course_lib.backend_choice import ENV_GLOO_ON_SHARED_GPU
+
+    monkeypatch.delenv(ENV_GLOO_ON_SHARED_GPU, raising=False)
+    assert (choose_backend(2, gpus=1).backend, choose_backend(2, gpus=1).device_type) == ("gloo", "cpu")
+    monkeypatch.setenv(ENV_GLOO_ON_SHARED_GPU, "1")
+    shared = choose_backend(2, gpus=1)
+    assert (shared.backend, shared.device_type) == ("gloo", "cuda")
+    assert shared.header(2) == ("[torchrun] 2 ranks, backend gloo on cuda (1 GPU for 2 ranks, shared: gloo moving "
+                                "CUDA tensors (COURSE_GLOO_ON_SHARED_GPU=1))")
+    assert choose_backend(2, gpus=0).device_type == "cpu"
+    assert choose_backend(2, gpus=2).backend == "nccl"

@@ -50,6 +50,9 @@ def test_the_gpu_plan_runs_every_lesson_notebook_twice_and_every_other_check():
     assert sorted(s.notebook for s in plan if s.kind == "nbval") == lessons
     assert sorted(s.notebook for s in plan if s.kind == "one_rank") == lessons
     assert all("--backend" in s.argv and "nccl" in s.argv for s in plan if s.kind == "one_rank")
+    shared = [s for s in plan if s.kind == "nbval_shared_gpu"]
+    assert sorted(s.notebook for s in shared) == [n for n in lessons if "_appendix_" not in n]
+    assert all(dict(s.env) == {"COURSE_GLOO_ON_SHARED_GPU": "1"} for s in shared)
     assert {s.name for s in plan if s.notebook is None} == {
         "grader_solutions", "train_ddp", "train_fsdp", "train_2d", "doctor", "nccl_facts"}
     assert len({s.name for s in plan}) == len(plan)

@@ -72,7 +72,8 @@ def device() -> Any:
     import torch
 
     if _choice().device_type == "cuda":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        # One GPU per rank under NCCL; ranks sharing fewer GPUs (gloo on CUDA, the GPU script's check) wrap.
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     return torch.device("cpu")
 
 

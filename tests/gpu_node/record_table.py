@@ -23,6 +23,8 @@ HEADER = ["| when, machine | what ran | what was seen |", "|---|---|---|"]
 WHAT_RAN = {
     "nbval": "every lesson notebook under nbval, `--nbval-lax` (cells of 2 or more ranks on gloo: one GPU)",
     "one_rank": "every multi-rank cell at 1 rank under NCCL (`one_rank_nccl.py`)",
+    "nbval_shared_gpu": "every lesson under nbval with its ranks sharing the GPU: gloo moving CUDA tensors "
+                        "(`COURSE_GLOO_ON_SHARED_GPU=1`)",
 }
 
 
@@ -47,7 +49,8 @@ def rows(entry: dict) -> list[str]:
     if "seen" in entry:  # the entry from before the record: what that day's README said
         return [f"| {machine(entry) if i == 0 else 'same'} | {what} | {seen} |" for i, (what, seen) in
                 enumerate(entry["seen"])]
-    lines = [(WHAT_RAN[kind], seen_per_notebook(entry, kind)) for kind in WHAT_RAN]
+    lines = [(WHAT_RAN[kind], seen_per_notebook(entry, kind)) for kind in WHAT_RAN
+             if any(kind in parts for parts in entry["notebooks"].values())]
     for name, step in entry["steps"].items():
         ended = "timed out" if step["timed_out"] else f"exit {step['rc']}"
         lines.append((f"`{name}`", f"{ended} in {step['seconds']} s: {step['last_line']}"))

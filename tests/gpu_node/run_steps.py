@@ -57,7 +57,8 @@ def run_step(step: Step, out: pathlib.Path, deadline: float) -> dict:
         log.write_text("not started: the run's time budget was spent\n")
         return {"rc": None, "seconds": 0, "timed_out": True}
     with log.open("w") as sink:
-        proc = subprocess.Popen(step.argv, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(step.argv, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **dict(step.env)})
         try:
             rc = proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
@@ -107,9 +108,9 @@ def entry_of(steps: list[Step], outcomes: dict[str, dict], out: pathlib.Path, dr
     others: dict[str, dict] = {}
     for step in steps:
         outcome = outcomes[step.name]
-        if step.kind == "nbval":
-            notebooks.setdefault(step.notebook, {})["nbval"] = {**read_nbval(out / f"nbval_{step.notebook}.xml"),
-                                                                 "timed_out": outcome["timed_out"]}
+        if step.kind.startswith("nbval"):
+            notebooks.setdefault(step.notebook, {})[step.kind] = {**read_nbval(out / f"{step.name}.xml"),
+                                                                  "timed_out": outcome["timed_out"]}
         elif step.kind == "one_rank":
             notebooks.setdefault(step.notebook, {})["one_rank"] = {
                 **read_one_rank(out / f"{step.name}.log"), "backend": "gloo" if dry_run else "nccl",

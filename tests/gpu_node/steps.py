@@ -2,7 +2,8 @@
 
 On a machine with one GPU (`plan(dry_run=False)`): every lesson notebook under nbval (its 2- and 4-rank
 cells fall back to gloo there: one GPU), every multi-rank cell once more at 1 rank under NCCL
-(one_rank_nccl.py), the grader on solutions/, launch/train.py at 1 rank in each mode that fits one
+(one_rank_nccl.py), each lesson again with its ranks sharing the GPU (gloo moving CUDA tensors,
+COURSE_GLOO_ON_SHARED_GPU=1: the multi-rank device paths 1-rank NCCL cannot reach), the grader on solutions/, launch/train.py at 1 rank in each mode that fits one
 rank, the doctor, and nccl_facts.py. The CPU dry run (`plan(dry_run=True)`, in the suite) runs the
 same kinds of step on gloo with the first few cells of each lesson, so that a GPU machine's minutes are
 never spent on a typo in this plumbing.
@@ -13,6 +14,9 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+from course_lib.backend_choice import ENV_GLOO_ON_SHARED_GPU  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
@@ -26,6 +30,7 @@ class Step:
     argv: tuple[str, ...]
     limit_s: int
     notebook: str | None = None  # "02_ddp" for the per-notebook steps
+    env: tuple[tuple[str, str], ...] = ()  # set for this step only
 
 
 def lesson_notebooks() -> list[str]:
@@ -33,15 +38,16 @@ def lesson_notebooks() -> list[str]:
     return sorted(p.stem for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
 
 
-def _nbval(stem: str, out: pathlib.Path, cells: int | None, limit_s: int) -> Step:
+def _nbval(stem: str, out: pathlib.Path, cells: int | None, limit_s: int, kind: str = "nbval",
+           env: tuple[tuple[str, str], ...] = ()) -> Step:
     path = f"notebooks/{stem}.ipynb"
     # pytest takes node ids: the first `cells` code cells of the notebook, in order.
     targets = [path] if cells is None else [f"{path}::Cell {i}" for i in range(cells)]
     # --nbval-lax: on a GPU the headers say NCCL or "1 GPU for 2 ranks", so stored outputs differ by design;
     # a cell still fails on any error, and every distributed result is asserted inside its cell.
     argv = (sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--nbval-lax", "-o", "addopts=",
-            "--junitxml", str(out / f"nbval_{stem}.xml"), "--nbval-cell-timeout", "240", *targets)
-    return Step(f"nbval_{stem}", "nbval", argv, limit_s, stem)
+            "--junitxml", str(out / f"{kind}_{stem}.xml"), "--nbval-cell-timeout", "240", *targets)
+    return Step(f"{kind}_{stem}", kind, argv, limit_s, stem, env)
 
 
 def _one_rank(stem: str, backend: str, cells: int | None, limit_s: int) -> Step:
@@ -62,6 +68,9 @@ def plan(out: pathlib.Path, *, dry_run: bool, notebooks: list[str] | None = None
     few = cells if dry_run else None
     steps = [_nbval(s, out, few, 120 if dry_run else 420) for s in stems]
     steps += [_one_rank(s, backend, few, 120 if dry_run else 420) for s in stems]
+    if not dry_run:  # the lessons' 2- and 4-rank cells with every rank on the one GPU: gloo moving CUDA tensors
+        shared = ((ENV_GLOO_ON_SHARED_GPU, "1"),)
+        steps += [_nbval(s, out, None, 420, "nbval_shared_gpu", shared) for s in stems if "_appendix_" not in s]
     # On a GPU every solution; in a dry run one lesson's, for the grader's plumbing (the suite grades them all).
     graded = ("solutions/01_process_groups_solutions.ipynb", "--exercises", "01") if dry_run else ("solutions/",)
     grader = (sys.executable, "-m", "course_lib.grade", *graded, "--out", str(out / "grades"),
