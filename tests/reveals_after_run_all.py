@@ -8,7 +8,8 @@ value: "not this time", with the measured answer and the first answer beside it.
 the last cell's ledger instead of its own run's fails here (lesson 06's `06.tp_mlp_bytes` did).
 
 tests/conftest.py adds the item (`add_reveal_items`) when the notebooks are collected with tests/,
-as `make test` does.
+as `make test` does. For one notebook, name this file too so that tests/conftest.py is loaded:
+    pytest tests/reveals_after_run_all.py notebooks/06_tensor_parallel.ipynb
 """
 
 from __future__ import annotations
