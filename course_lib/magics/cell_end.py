@@ -60,7 +60,7 @@ def finish(end: CellEnd, *, expect_failure: bool) -> None:
         explained = end.consequences
     print_rank_blocks(end.stdout, {})
     for line in explained:
-        print(line)
+        print(line, flush=True)  # before the ranks' stderr, which is written unbuffered
     print_rank_blocks({}, stderr, first=end.first)
     if end.exit_line is not None:
         print(end.exit_line)

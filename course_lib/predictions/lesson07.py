@@ -7,6 +7,8 @@ losses of the resumes, the file holding each of Adam's step counters in the 4-ra
 
 from __future__ import annotations
 
+import math
+
 from .spec import Prediction
 
 __all__ = ["PREDICTIONS"]
@@ -39,7 +41,8 @@ def _counters_formula(results) -> tuple:
     plan first), each shared item goes to the rank with the fewest bytes planned so far, the lowest on a tie.
     Rank 0's shards come before every counter in its plan, so rank 0 already has bytes when the first counter
     comes; each counter (4 bytes) then goes to the emptiest of ranks 1-3 in turn."""
-    planned, held = [1, 0, 0, 0], [0, 0, 0, 0]   # rank 0: its shards' bytes, more than 0 is all that matters
+    # Rank 0's shards (kilobytes) outweigh all the counters together (4 bytes each): it never has the fewest.
+    planned, held = [math.inf, 0, 0, 0], [0, 0, 0, 0]
     for _ in range(results["four"][0]["parameters"]):
         rank = min(range(4), key=lambda r: planned[r])
         planned[rank] += 4
