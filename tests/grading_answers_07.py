@@ -3,6 +3,7 @@ and plausible wrong answers, each of which must lose exactly the points its mist
 
 APP_SOLUTION = '''%%exercise 07.app_state
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -13,15 +14,17 @@ class RunState(Stateful):
 
     def state_dict(self):
         model_state, optim_state = get_state_dict(self.run.model, self.run.optimizer)
-        return {"model": model_state, "optim": optim_state, "step": self.run.step,
-                "epoch": self.run.sampler.epoch, "rng": torch.get_rng_state()}
+        return {"model": model_state, "optim": optim_state, "scheduler": self.run.scheduler.state_dict(),
+                "step": self.run.step, "epoch": self.run.sampler.epoch,
+                f"rng_{dist.get_rank()}": torch.get_rng_state()}
 
     def load_state_dict(self, state):
         set_state_dict(self.run.model, self.run.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
+        self.run.scheduler.load_state_dict(state["scheduler"])
         self.run.step = state["step"]
         self.run.sampler.set_epoch(state["epoch"])
-        torch.set_rng_state(state["rng"])
+        torch.set_rng_state(state[f"rng_{dist.get_rank()}"])
 
 
 def app_state(run):
@@ -38,19 +41,25 @@ APP_NO_OPTIMIZER = (APP_SOLUTION
 ''', '''        self.run.model.load_state_dict(state["model"])
 '''))
 
-# The RNG state left out: the noise after the resume is not the uninterrupted run's.
-APP_NO_RNG = (APP_SOLUTION.replace(''',
-                "epoch": self.run.sampler.epoch, "rng": torch.get_rng_state()}''', ''',
-                "epoch": self.run.sampler.epoch}''')
-              .replace('''        torch.set_rng_state(state["rng"])
-''', ""))
+# The lesson's single name for the RNG: the ranks are seeded apart, so every rank loads one rank's state.
+APP_ONE_RNG_NAME = APP_SOLUTION.replace('f"rng_{dist.get_rank()}"', '"rng"')
 
 # The sampler's epoch left out: in the middle of an epoch, the rows are another epoch's.
 APP_NO_EPOCH = (APP_SOLUTION.replace('''
-                "epoch": self.run.sampler.epoch, "rng"''', '''
-                "rng"''')
+                "step": self.run.step, "epoch": self.run.sampler.epoch,''', '''
+                "step": self.run.step,''')
                 .replace('''        self.run.sampler.set_epoch(state["epoch"])
 ''', ""))
+
+# The scheduler left out: the new run's schedule restarts at its first step.
+APP_NO_SCHEDULER = (APP_SOLUTION.replace(''' "scheduler": self.run.scheduler.state_dict(),''', "")
+                    .replace('''        self.run.scheduler.load_state_dict(state["scheduler"])
+''', ""))
+
+# No set_state_dict: dcp.load filled the tensors in place, but Adam's lr stays the new run's.
+APP_NO_SET_STATE_DICT = APP_SOLUTION.replace('''        set_state_dict(self.run.model, self.run.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+''', "")
 
 RESHARD_SOLUTION = '''%%exercise 07.reshard_load
 import torch.distributed.checkpoint as dcp
@@ -63,6 +72,10 @@ def load_resharded(model, optimizer, folder):
     dcp.load(state, checkpoint_id=folder)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 '''
+
+# No set_state_dict: the tensors are filled in place, Adam's lr stays the new optimizer's.
+RESHARD_NO_SET_STATE_DICT = RESHARD_SOLUTION.replace(
+    '    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])\n', "")
 
 # The model only: the parameters load, Adam's state stays empty.
 RESHARD_MODEL_ONLY = '''%%exercise 07.reshard_load
@@ -109,6 +122,13 @@ def save_checkpoint(state, root, step):
             handle.write(name)
     dcp.save(state, checkpoint_id=os.path.join(root, name))
 '''
+
+# LATEST rewritten in place (not atomic): a crash while it is written leaves it empty or half written.
+CRASH_IN_PLACE = CRASH_SOLUTION.replace('''        with open(os.path.join(root, "LATEST.tmp"), "w") as handle:
+            handle.write(name)
+        os.replace(os.path.join(root, "LATEST.tmp"), os.path.join(root, "LATEST"))''', '''        with open(os.path.join(root, "LATEST"), "w") as handle:
+            handle.write(name)''')
+assert CRASH_IN_PLACE != CRASH_SOLUTION
 
 # The failure swallowed: the caller thinks step 3 was saved.
 CRASH_SWALLOWS = CRASH_SOLUTION.replace(

@@ -73,9 +73,9 @@ def test_stub_scores_zero_and_says_what_to_write_once(exercise_id, ranks):
 
 
 RESUMED = "a new run loaded from the checkpoint reproduces the uninterrupted losses, bit for bit (2 ranks)"
-RESHARD_OPTIM_4 = "4 -> 2: Adam's moments and step counts equal one process's (4 ranks)"
-RESHARD_OPTIM_2 = "2 -> unsharded: Adam's moments and step counts equal one process's (2 ranks)"
-OWN_FOLDER = "after each save, LATEST names a checkpoint of its own (2 ranks)"
+RESHARD_OPTIM_4 = "4 -> 2: Adam's moments, step counts and lr equal one process's (4 ranks)"
+RESHARD_OPTIM_2 = "2 -> unsharded: Adam's moments, step counts and lr equal one process's (2 ranks)"
+OWN_FOLDER = "after each save, LATEST names a checkpoint of its own and was replaced in one step (2 ranks)"
 SURVIVES = ("a save that fails part-way leaves LATEST naming step 2's checkpoint, which loads and equals one process "
             "(2 ranks)")
 
@@ -84,9 +84,16 @@ WRONG = [
     pytest.param(APP, answers.APP_NO_OPTIMIZER, {
         RESUMED: ("resumed at step 3, the loss of step 5 is", "not restored by the load: Adam's state"),
     }, id="app-state-without-optimizer"),
-    pytest.param(APP, answers.APP_NO_RNG, {
-        RESUMED: ("resumed at step 3, the loss of step 4 is", "not restored by the load: the global random state"),
-    }, id="app-state-without-rng"),
+    # The lesson's one name: ranks seeded apart, one rank's state comes back to every rank.
+    pytest.param(APP, answers.APP_ONE_RNG_NAME, {
+        RESUMED: ("the loss of step 4 is", "this rank's own random state", "save it under a name per rank"),
+    }, id="app-state-rng-under-one-name"),
+    pytest.param(APP, answers.APP_NO_SCHEDULER, {
+        RESUMED: ("resumed at step 3, the loss of step", "the scheduler's state"),
+    }, id="app-state-without-scheduler"),
+    pytest.param(APP, answers.APP_NO_SET_STATE_DICT, {
+        RESUMED: ("resumed at step 3, the loss of step", "Adam's param_groups (its lr"),
+    }, id="app-state-without-set-state-dict"),
     # In the middle of an epoch the loop does not set the epoch again: the rows are epoch 0's.
     pytest.param(APP, answers.APP_NO_EPOCH, {
         RESUMED: ("resumed at step 3, the loss of step 4 is", "not restored by the load: the sampler's epoch"),
@@ -95,6 +102,13 @@ WRONG = [
         RESHARD_OPTIM_4: ("loaded with each rank holding half of the rows", "the optimizer's state was not loaded"),
         RESHARD_OPTIM_2: ("loaded into an unsharded model on every rank", "the optimizer's state was not loaded"),
     }, id="reshard-model-only"),
+    pytest.param(RESHARD, answers.RESHARD_NO_SET_STATE_DICT, {
+        RESHARD_OPTIM_4: ("Adam's lr is 0.02, the checkpoint's 0.005", "only set_state_dict hands param_groups back"),
+        RESHARD_OPTIM_2: ("Adam's lr is 0.02, the checkpoint's 0.005",),
+    }, id="reshard-without-set-state-dict"),
+    pytest.param(CRASH, answers.CRASH_IN_PLACE, {
+        OWN_FOLDER: ("LATEST is the same file as after step 1, rewritten in place", "os.replace"),
+    }, id="crash-latest-rewritten-in-place"),
     pytest.param(CRASH, answers.CRASH_OVERWRITE, {
         OWN_FOLDER: ("both went to 'checkpoint'",),
         SURVIVES: ("it holds step 3's values, written over the checkpoint of step 2 by the save that failed",),
