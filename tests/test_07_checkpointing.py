@@ -113,7 +113,9 @@ WRONG = [
         OWN_FOLDER: ("both went to 'checkpoint'",),
         SURVIVES: ("it holds step 3's values, written over the checkpoint of step 2 by the save that failed",),
     }, id="crash-one-folder-overwritten"),
+    # Written before the save, and in place (no os.replace): it loses both.
     pytest.param(CRASH, answers.CRASH_MARK_FIRST, {
+        OWN_FOLDER: ("rewritten in place",),
         SURVIVES: ("LATEST names 'step_3', not step 2's 'step_2'", "loading it fails (CheckpointException"),
     }, id="crash-marked-before-the-save"),
     pytest.param(CRASH, answers.CRASH_SWALLOWS, {
