@@ -62,31 +62,52 @@ APP_NO_SET_STATE_DICT = APP_SOLUTION.replace('''        set_state_dict(self.run.
 ''', "")
 
 RESHARD_SOLUTION = '''%%exercise 07.reshard_load
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
 
-def load_resharded(model, optimizer, folder):
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=folder)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+def load_resharded(model, optimizer, path):
+    if path is not None:
+        saved = torch.load(path, weights_only=True)
+        model_state, optim_state = saved["model"], saved["optim"]
+    else:
+        model_state, optim_state = model.state_dict(), {}
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                   options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 '''
 
-# No set_state_dict: the tensors are filled in place, Adam's lr stays the new optimizer's.
-RESHARD_NO_SET_STATE_DICT = RESHARD_SOLUTION.replace(
-    '    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])\n', "")
+# Lesson 05's habit, {} on the ranks without the file: set_state_dict reads it as "the optimizer only", so
+# those ranks skip the model's broadcasts and rank 0 waits in them.
+RESHARD_EMPTY_MODEL_DICT = RESHARD_SOLUTION.replace("model.state_dict(), {}", "{}, {}")
+assert RESHARD_EMPTY_MODEL_DICT != RESHARD_SOLUTION
 
-# The model only: the parameters load, Adam's state stays empty.
+# The model only: the parameters load, Adam's state stays the fresh one's.
 RESHARD_MODEL_ONLY = '''%%exercise 07.reshard_load
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 
-def load_resharded(model, optimizer, folder):
-    state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=folder)
-    set_model_state_dict(model, state["model"])
+def load_resharded(model, optimizer, path):
+    state = torch.load(path, weights_only=True)["model"] if path is not None else {}
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+'''
+
+# Whole tensors without broadcast_from_rank0: the ranks without the file have nothing to load.
+RESHARD_NO_BROADCAST = RESHARD_SOLUTION.replace(", broadcast_from_rank0=True", "")
+assert RESHARD_NO_BROADCAST != RESHARD_SOLUTION
+
+# Rank 0 alone loads the file, into its own shards: the other ranks keep their fresh rows.
+RESHARD_RANK0_ALONE = '''%%exercise 07.reshard_load
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+
+def load_resharded(model, optimizer, path):
+    if path is None:
+        return
+    saved = torch.load(path, weights_only=True)
+    set_state_dict(model, optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optim"],
+                   options=StateDictOptions(full_state_dict=True))
 '''
 
 CRASH_SOLUTION = '''%%exercise 07.crash_safe_save

@@ -191,33 +191,38 @@ def dcp_app_state(fn: Callable, stop_at: int, total: int, folder: str) -> dict:
             "save_changed_rng": changed_rng}
 
 
-def dcp_reshard_load(fn: Callable, steps: int, layout: str, folder: str) -> dict:
-    """07.reshard_load: every rank trains `steps` Adam steps with the model FSDP2-sharded over all ranks and
-    saves {"model": ..., "optim": ...} (get_state_dict) with dcp.save; then builds a fresh model and Adam in
-    `layout` ("halves": a 2-D mesh (2, N/2), each rank holding half of the rows, as on 2 ranks; "whole": a
-    plain unsharded model on every rank) and calls fn(model, optimizer, folder). Send back the loaded
-    model and Adam state, and one more step's loss."""
-    import torch.distributed.checkpoint as dcp
+def dcp_reshard_load(fn: Callable, steps: int, layout: str, path: str) -> dict:
+    """07.reshard_load: rank 0 trains one process's run (a plain model, no mesh) `steps` Adam steps and
+    writes torch.save({"model": ..., "optim": ...}, path), the two dicts get_state_dict gives one process
+    (whole tensors keyed by parameter name); then every rank builds a fresh FSDP2 model and Adam at another
+    lr in `layout` ("shards": a 1-D mesh over all ranks; "halves": a 2-D mesh (2, N/2), HSDP, each rank
+    holding half of the rows) and calls fn(model, optimizer, path on rank 0, None on the others: the file
+    lies on rank 0's disk only). Send back the loaded model and Adam state."""
+    import torch.distributed.checkpoint  # noqa: F401 - state_dict's import needs the package first
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    world = _dist().get_world_size()
-    run = new_run(_mesh((world,)))
-    train(run, steps)
-    model_state, optim_state = get_state_dict(run.model, run.optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder)
-    del run, model_state, optim_state
+    dist = _dist()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if rank == 0:
+        one = new_run(None)
+        train(one, steps)
+        model_state, optim_state = get_state_dict(one.model, one.optimizer)
+        torch.save({"model": model_state, "optim": optim_state}, path)
+        del one, model_state, optim_state
+    dist.barrier()  # the file is written before any rank is asked to load it
 
     if layout == "halves":
         mesh = _mesh((2, world // 2), ("replicate", "shard"))  # HSDP: shards over mesh["shard"], replicas over 2
-        target = new_run(mesh, lr=FRESH_LR)
-        held = target.model.state_dict()["1.up.weight"].to_local().shape[0]
     else:
-        target = new_run(None, lr=FRESH_LR)
-        held = target.model.state_dict()["1.up.weight"].shape[0]
-    result = fn(target.model, target.optimizer, folder)
+        mesh = _mesh((world,))
+    target = new_run(mesh, lr=FRESH_LR)
+    result = fn(target.model, target.optimizer, path if rank == 0 else None)
+    # A rank back while another still waits in the load: this barrier (recorded, unlike full_tensor's gathers)
+    # lets a deadline's diagnosis say that this rank left the load and the other did not.
+    dist.barrier()
     loaded = full_state(target.model, target.optimizer)
     loaded["lr"] = target.optimizer.param_groups[0]["lr"]
-    return {"returned": None if result is None else type(result).__name__, "loaded": loaded, "rows_held": held}
+    return {"returned": None if result is None else type(result).__name__, "loaded": loaded}
 
 
 class _DiesAfterWriting(Exception):

@@ -1,6 +1,7 @@
-"""07.reshard_load: a checkpoint saved by FSDP2 on N ranks loaded into another layout, in place.
+"""07.reshard_load: one process's torch.save checkpoint (model and Adam, whole tensors) resumed on N ranks in an
+FSDP2 layout, the file read by rank 0 only.
 
-Judged: the parameters, Adam's moments and step counts, and Adam's lr (the target starts at another one)
+Judged: the parameters, Adam's moments, step counts and lr (the target starts at another one) on every rank
 against one process after 2 steps.
 """
 
@@ -14,22 +15,25 @@ from .drivers import DECAY, DECAY_EVERY, LR
 __all__ = ["RESHARD_LOAD"]
 
 RESHARD_HINTS = (
-    "Reread lesson 07, section 4 'Resharding on load' and section 7 '4 -> 2'.",
-    "get_state_dict and set_state_dict from torch.distributed.checkpoint.state_dict; "
-    "torch.distributed.checkpoint.load with checkpoint_id.",
-    "Ask the model and the optimizer for state dicts in their own layout (the keys and this rank's pieces), "
-    "let DCP fill them in place from the folder under the same keys the save used, then hand them back to "
-    "the model and the optimizer (the tensors may be filled in place, Adam's lr is not).",
+    "Reread lesson 07, section 4 'Resharding on load' (its note on whole tensors, from lesson 05) and section 9 "
+    "'Export' (a torch.save file of get_state_dict's dicts).",
+    "torch.load(..., weights_only=True); set_state_dict, or set_model_state_dict and set_optimizer_state_dict, "
+    "with StateDictOptions, all from torch.distributed.checkpoint.state_dict.",
+    "Every rank takes part in the load, telling it that the dicts hold whole tensors and that only rank 0 has "
+    "them: it then broadcasts them one tensor at a time and each rank keeps its own pieces. set_state_dict reads "
+    "an empty model dict as 'the optimizer only' and then skips the model's broadcasts that rank 0 makes.",
 )
 
 STEPS = 2
+SAVED_LR = LR * DECAY ** (STEPS // DECAY_EVERY)  # the checkpoint's lr: the schedule decayed it
 
 
-def _reshard_label(outcome: RunOutcome, case: int) -> str:
+def _label(outcome: RunOutcome, case: int) -> str:
     layout = outcome.inputs[case][0][1]
-    saved = f"saved by {outcome.nproc} ranks, FSDP2"
-    return (f"{saved}, loaded with each rank holding half of the rows ({outcome.nproc} ranks, a (2, "
-            f"{outcome.nproc // 2}) mesh)" if layout == "halves" else f"{saved}, loaded into an unsharded model on every rank")
+    if layout == "halves":
+        return (f"loaded on {outcome.nproc} ranks over a (2, {outcome.nproc // 2}) mesh (HSDP, each rank holding "
+                "half of the rows)")
+    return f"loaded on {outcome.nproc} ranks over a mesh of {outcome.nproc} (FSDP2)"
 
 
 def _loaded(parts):
@@ -37,18 +41,20 @@ def _loaded(parts):
         _, want = one_process(STEPS)
         for case, rank, result in each_result(outcome):
             out = result.output
-            where = f"rank {rank}, {_reshard_label(outcome, case)}"
+            where = f"rank {rank}, {_label(outcome, case)}"
             if out["returned"] is not None:
                 return [f"{where}: the function returned a {out['returned']}; it loads in place and returns None"]
             wrong = state_wrong(out["loaded"], want, parts)
             if wrong:
                 if parts[0] != "model" and not out["loaded"]["exp_avg"]:
                     wrong += ": the optimizer's state was not loaded"
+                elif rank:
+                    wrong += (": rank 0's load did not reach this rank (only rank 0 has the file; the others "
+                              "must receive their pieces from it)")
                 return [f"{where}: after the load, {wrong} (one process after {STEPS} Adam steps)"]
-            if parts[0] != "model" and out["loaded"]["lr"] != LR * DECAY ** (STEPS // DECAY_EVERY):
+            if parts[0] != "model" and out["loaded"]["lr"] != SAVED_LR:
                 return [f"{where}: after the load, Adam's lr is {out['loaded']['lr']:g}, the checkpoint's "
-                        f"{LR * DECAY ** (STEPS // DECAY_EVERY):g} (its param_groups): dcp.load filled the "
-                        "tensors in place but only set_state_dict hands param_groups back to the optimizer"]
+                        f"{SAVED_LR:g} (its param_groups): the optimizer's state dict was not handed back to it"]
         return []
     return judge
 
@@ -57,20 +63,21 @@ RESHARD_LOAD = Exercise(
     id="07.reshard_load",
     hints=RESHARD_HINTS,
     function="load_resharded",
-    signature="load_resharded(model, optimizer, folder: str) -> None",
+    signature="load_resharded(model, optimizer, path: str | None) -> None",
     driver="dcp_reshard_load",
     preload=DCP_PRELOAD,
     runs=(
-        RunSpec(4, lambda n: [{r: (STEPS, "halves", "reshard_halves") for r in range(n)}],
-                (Item("4 -> 2: the parameters equal one process after 2 steps (4 ranks)", 1, _loaded(("model",))),
-                 Item("4 -> 2: Adam's moments, step counts and lr equal one process's (4 ranks)", 1,
-                      _loaded(("exp_avg", "exp_avg_sq", "steps")))),
-                timeout_s=40),
-        RunSpec(2, lambda n: [{r: (STEPS, "whole", "reshard_whole") for r in range(n)}],
-                (Item("2 -> unsharded: the parameters equal one process after 2 steps (2 ranks)", 1,
+        RunSpec(2, lambda n: [{r: (STEPS, "shards", "one_process.pt") for r in range(n)}],
+                (Item("one process -> FSDP2: the parameters equal one process after 2 steps (2 ranks)", 1,
                       _loaded(("model",))),
-                 Item("2 -> unsharded: Adam's moments, step counts and lr equal one process's (2 ranks)", 1,
+                 Item("one process -> FSDP2: Adam's moments, step counts and lr equal one process's (2 ranks)", 1,
                       _loaded(("exp_avg", "exp_avg_sq", "steps")))),
                 timeout_s=30),
+        RunSpec(4, lambda n: [{r: (STEPS, "halves", "one_process.pt") for r in range(n)}],
+                (Item("one process -> HSDP (2, 2): the parameters equal one process after 2 steps (4 ranks)", 1,
+                      _loaded(("model",))),
+                 Item("one process -> HSDP (2, 2): Adam's moments, step counts and lr equal one process's (4 ranks)",
+                      1, _loaded(("exp_avg", "exp_avg_sq", "steps")))),
+                timeout_s=40),
     ),
 )
