@@ -3,6 +3,7 @@ and plausible wrong answers, each of which must lose exactly the points its mist
 
 APP_SOLUTION = '''%%exercise 07.app_state
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -13,15 +14,17 @@ class RunState(Stateful):
 
     def state_dict(self):
         model_state, optim_state = get_state_dict(self.run.model, self.run.optimizer)
-        return {"model": model_state, "optim": optim_state, "step": self.run.step,
-                "epoch": self.run.sampler.epoch, "rng": torch.get_rng_state()}
+        return {"model": model_state, "optim": optim_state, "scheduler": self.run.scheduler.state_dict(),
+                "step": self.run.step, "epoch": self.run.sampler.epoch,
+                f"rng_{dist.get_rank()}": torch.get_rng_state()}
 
     def load_state_dict(self, state):
         set_state_dict(self.run.model, self.run.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
+        self.run.scheduler.load_state_dict(state["scheduler"])
         self.run.step = state["step"]
         self.run.sampler.set_epoch(state["epoch"])
-        torch.set_rng_state(state["rng"])
+        torch.set_rng_state(state[f"rng_{dist.get_rank()}"])
 
 
 def app_state(run):
@@ -38,42 +41,73 @@ APP_NO_OPTIMIZER = (APP_SOLUTION
 ''', '''        self.run.model.load_state_dict(state["model"])
 '''))
 
-# The RNG state left out: the noise after the resume is not the uninterrupted run's.
-APP_NO_RNG = (APP_SOLUTION.replace(''',
-                "epoch": self.run.sampler.epoch, "rng": torch.get_rng_state()}''', ''',
-                "epoch": self.run.sampler.epoch}''')
-              .replace('''        torch.set_rng_state(state["rng"])
-''', ""))
+# The lesson's single name for the RNG: the ranks are seeded apart, so every rank loads one rank's state.
+APP_ONE_RNG_NAME = APP_SOLUTION.replace('f"rng_{dist.get_rank()}"', '"rng"')
 
 # The sampler's epoch left out: in the middle of an epoch, the rows are another epoch's.
 APP_NO_EPOCH = (APP_SOLUTION.replace('''
-                "epoch": self.run.sampler.epoch, "rng"''', '''
-                "rng"''')
+                "step": self.run.step, "epoch": self.run.sampler.epoch,''', '''
+                "step": self.run.step,''')
                 .replace('''        self.run.sampler.set_epoch(state["epoch"])
 ''', ""))
 
+# The scheduler left out: the new run's schedule restarts at its first step.
+APP_NO_SCHEDULER = (APP_SOLUTION.replace(''' "scheduler": self.run.scheduler.state_dict(),''', "")
+                    .replace('''        self.run.scheduler.load_state_dict(state["scheduler"])
+''', ""))
+
+# No set_state_dict: dcp.load filled the tensors in place, but Adam's lr stays the new run's.
+APP_NO_SET_STATE_DICT = APP_SOLUTION.replace('''        set_state_dict(self.run.model, self.run.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+''', "")
+
 RESHARD_SOLUTION = '''%%exercise 07.reshard_load
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
 
-def load_resharded(model, optimizer, folder):
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=folder)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+def load_resharded(model, optimizer, path):
+    if path is not None:
+        saved = torch.load(path, weights_only=True)
+        model_state, optim_state = saved["model"], saved["optim"]
+    else:
+        model_state, optim_state = model.state_dict(), {}
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                   options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 '''
 
-# The model only: the parameters load, Adam's state stays empty.
+# Lesson 05's habit, {} on the ranks without the file: set_state_dict reads it as "the optimizer only", so
+# those ranks skip the model's broadcasts and rank 0 waits in them.
+RESHARD_EMPTY_MODEL_DICT = RESHARD_SOLUTION.replace("model.state_dict(), {}", "{}, {}")
+assert RESHARD_EMPTY_MODEL_DICT != RESHARD_SOLUTION
+
+# The model only: the parameters load, Adam's state stays the fresh one's.
 RESHARD_MODEL_ONLY = '''%%exercise 07.reshard_load
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 
-def load_resharded(model, optimizer, folder):
-    state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=folder)
-    set_model_state_dict(model, state["model"])
+def load_resharded(model, optimizer, path):
+    state = torch.load(path, weights_only=True)["model"] if path is not None else {}
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+'''
+
+# Whole tensors without broadcast_from_rank0: the ranks without the file have nothing to load.
+RESHARD_NO_BROADCAST = RESHARD_SOLUTION.replace(", broadcast_from_rank0=True", "")
+assert RESHARD_NO_BROADCAST != RESHARD_SOLUTION
+
+# Rank 0 alone loads the file, into its own shards: the other ranks keep their fresh rows.
+RESHARD_RANK0_ALONE = '''%%exercise 07.reshard_load
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+
+def load_resharded(model, optimizer, path):
+    if path is None:
+        return
+    saved = torch.load(path, weights_only=True)
+    set_state_dict(model, optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optim"],
+                   options=StateDictOptions(full_state_dict=True))
 '''
 
 CRASH_SOLUTION = '''%%exercise 07.crash_safe_save
@@ -109,6 +143,13 @@ def save_checkpoint(state, root, step):
             handle.write(name)
     dcp.save(state, checkpoint_id=os.path.join(root, name))
 '''
+
+# LATEST rewritten in place (not atomic): a crash while it is written leaves it empty or half written.
+CRASH_IN_PLACE = CRASH_SOLUTION.replace('''        with open(os.path.join(root, "LATEST.tmp"), "w") as handle:
+            handle.write(name)
+        os.replace(os.path.join(root, "LATEST.tmp"), os.path.join(root, "LATEST"))''', '''        with open(os.path.join(root, "LATEST"), "w") as handle:
+            handle.write(name)''')
+assert CRASH_IN_PLACE != CRASH_SOLUTION
 
 # The failure swallowed: the caller thinks step 3 was saved.
 CRASH_SWALLOWS = CRASH_SOLUTION.replace(

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import grading_answers_07 as answers
-from exercise_checks import (assert_full_marks, assert_loses_exactly, assert_section_states_the_check,
-                             assert_stub_scores_zero_with_its_first_hint_once)
+from exercise_checks import (assert_full_marks, assert_hang_is_named, assert_loses_exactly,
+                             assert_section_states_the_check, assert_stub_scores_zero_with_its_first_hint_once)
 from exercise_notebooks import exercise_sections, markdown_cells, notebook_path
 from proc_helpers import launch, startup_deadline_s
 from course_lib.grading.cells import EXERCISE_ID, exercise_cells
@@ -73,9 +73,11 @@ def test_stub_scores_zero_and_says_what_to_write_once(exercise_id, ranks):
 
 
 RESUMED = "a new run loaded from the checkpoint reproduces the uninterrupted losses, bit for bit (2 ranks)"
-RESHARD_OPTIM_4 = "4 -> 2: Adam's moments and step counts equal one process's (4 ranks)"
-RESHARD_OPTIM_2 = "2 -> unsharded: Adam's moments and step counts equal one process's (2 ranks)"
-OWN_FOLDER = "after each save, LATEST names a checkpoint of its own (2 ranks)"
+RESHARD_PARAMS_2 = "one process -> FSDP2: the parameters equal one process after 2 steps (2 ranks)"
+RESHARD_OPTIM_2 = "one process -> FSDP2: Adam's moments, step counts and lr equal one process's (2 ranks)"
+RESHARD_PARAMS_4 = "one process -> HSDP (2, 2): the parameters equal one process after 2 steps (4 ranks)"
+RESHARD_OPTIM_4 = "one process -> HSDP (2, 2): Adam's moments, step counts and lr equal one process's (4 ranks)"
+OWN_FOLDER = "after each save, LATEST names a checkpoint of its own and was replaced in one step (2 ranks)"
 SURVIVES = ("a save that fails part-way leaves LATEST naming step 2's checkpoint, which loads and equals one process "
             "(2 ranks)")
 
@@ -84,22 +86,35 @@ WRONG = [
     pytest.param(APP, answers.APP_NO_OPTIMIZER, {
         RESUMED: ("resumed at step 3, the loss of step 5 is", "not restored by the load: Adam's state"),
     }, id="app-state-without-optimizer"),
-    pytest.param(APP, answers.APP_NO_RNG, {
-        RESUMED: ("resumed at step 3, the loss of step 4 is", "not restored by the load: the global random state"),
-    }, id="app-state-without-rng"),
+    # The lesson's one name: ranks seeded apart, one rank's state comes back to every rank.
+    pytest.param(APP, answers.APP_ONE_RNG_NAME, {
+        RESUMED: ("the loss of step 4 is", "this rank's own random state", "save it under a name per rank"),
+    }, id="app-state-rng-under-one-name"),
+    pytest.param(APP, answers.APP_NO_SCHEDULER, {
+        RESUMED: ("resumed at step 3, the loss of step", "the scheduler's state"),
+    }, id="app-state-without-scheduler"),
+    pytest.param(APP, answers.APP_NO_SET_STATE_DICT, {
+        RESUMED: ("resumed at step 3, the loss of step", "Adam's param_groups (its lr"),
+    }, id="app-state-without-set-state-dict"),
     # In the middle of an epoch the loop does not set the epoch again: the rows are epoch 0's.
     pytest.param(APP, answers.APP_NO_EPOCH, {
         RESUMED: ("resumed at step 3, the loss of step 4 is", "not restored by the load: the sampler's epoch"),
     }, id="app-state-without-epoch"),
+    # set_model_state_dict alone (lesson 05's call): Adam keeps the fresh run's state.
     pytest.param(RESHARD, answers.RESHARD_MODEL_ONLY, {
-        RESHARD_OPTIM_4: ("loaded with each rank holding half of the rows", "the optimizer's state was not loaded"),
-        RESHARD_OPTIM_2: ("loaded into an unsharded model on every rank", "the optimizer's state was not loaded"),
+        RESHARD_OPTIM_2: ("loaded on 2 ranks over a mesh of 2 (FSDP2)", "the optimizer's state was not loaded"),
+        RESHARD_OPTIM_4: ("loaded on 4 ranks over a (2, 2) mesh (HSDP", "the optimizer's state was not loaded"),
     }, id="reshard-model-only"),
+    pytest.param(CRASH, answers.CRASH_IN_PLACE, {
+        OWN_FOLDER: ("LATEST is the same file as after step 1, rewritten in place", "os.replace"),
+    }, id="crash-latest-rewritten-in-place"),
     pytest.param(CRASH, answers.CRASH_OVERWRITE, {
         OWN_FOLDER: ("both went to 'checkpoint'",),
         SURVIVES: ("it holds step 3's values, written over the checkpoint of step 2 by the save that failed",),
     }, id="crash-one-folder-overwritten"),
+    # Written before the save, and in place (no os.replace): it loses both.
     pytest.param(CRASH, answers.CRASH_MARK_FIRST, {
+        OWN_FOLDER: ("rewritten in place",),
         SURVIVES: ("LATEST names 'step_3', not step 2's 'step_2'", "loading it fails (CheckpointException"),
     }, id="crash-marked-before-the-save"),
     pytest.param(CRASH, answers.CRASH_SWALLOWS, {
@@ -114,6 +129,33 @@ def test_wrong_answer_loses_the_right_points_and_says_why(exercise_id, source, l
     got = assert_loses_exactly(exercise_id, source, lost, ranks=ranks)
     for message in got.values():
         assert re.match(r"rank 0[,: ]", message), message
+
+
+@pytest.mark.slow
+def test_whole_tensors_without_broadcast_from_rank0_fail_on_a_rank_without_the_file(ranks):
+    # full_state_dict=True alone: every rank must hold the whole dicts; the ranks without the file have none and
+    # torch says so (on 4 ranks, whichever of ranks 1-3 raises first is named).
+    lost = {name: (" raised at cell line", "optim state_dict is empty")
+            for name in (RESHARD_PARAMS_2, RESHARD_OPTIM_2, RESHARD_PARAMS_4, RESHARD_OPTIM_4)}
+    got = assert_loses_exactly(RESHARD, answers.RESHARD_NO_BROADCAST, lost, ranks=ranks)
+    for message in got.values():
+        assert re.match(r"rank [1-3] raised", message), message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source, phrases", [
+    # {} for the model on rank 1: set_state_dict loads the optimizer only there, rank 0 waits in the model's
+    # broadcasts.
+    pytest.param(answers.RESHARD_EMPTY_MODEL_DICT, ["rank 0 is still in your function: it is waiting in "
+                                                    "broadcast_object_list", "rank 1 finished your function"],
+                 id="reshard-empty-model-dict-on-the-other-ranks"),
+    # Rank 0 alone loads: its scatter of each whole tensor waits for ranks that returned.
+    pytest.param(answers.RESHARD_RANK0_ALONE, ["rank 0 is still in your function",
+                                               "rank 1 finished your function and waits in the checker's barrier"],
+                 id="reshard-rank-0-alone"),
+])
+def test_a_load_that_leaves_rank_0_alone_is_stopped_and_named(source, phrases, ranks):
+    assert_hang_is_named(RESHARD, source, phrases, ranks, hang_s=10)
 
 
 KILLED_SAVE = """

@@ -206,3 +206,40 @@ def test_consequences_name_each_peer_and_nothing_without_a_cause():
         '("Connection closed by peer")' for r in (0, 2)]
     assert consequences({0: GLOO_LOST}, [], ledgers) == []
     assert consequences({1: RAISED}, [1], ledgers) == []
+
+
+# ---------------------------------------------------------------- an intended failure: the explanation first
+
+def test_cut_traceback_keeps_the_error_line_without_the_build_path():
+    from course_lib.launcher.rank_output import cut_traceback
+
+    cut = cut_traceback("saved\n" + GLOO_LOST)
+    assert cut == ("saved\nRuntimeError: Connection closed by peer [127.0.0.1]:10166. This is typically caused by a "
+                   "remote worker crashing. (its traceback of 2 lines cut)\n")
+    assert cut_traceback("no traceback here\n") == "no traceback here\n"
+
+
+def _finish_prints(expect_failure: bool) -> tuple[str, str]:
+    from course_lib.magics.cell_end import CellEnd
+
+    end = CellEnd({0: "step 2 saved\n"}, {0: GLOO_LOST, 1: RAISED}, {}, {}, all_well="every rank exited 0", first=1,
+                  exit_line="exit: rank 0 -> exit code 1; rank 1 -> exit code 1", consequences=[CONSEQUENCE],
+                  failure="rank 1 failed with exit code 1: ValueError: rank 1 gives up")
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), contextlib.suppress(RankFailure):
+        finish(end, expect_failure=expect_failure)
+    return out.getvalue(), err.getvalue()
+
+
+def test_an_expected_failure_explains_first_and_cuts_only_the_peers_traceback():
+    out, err = _finish_prints(expect_failure=True)
+    assert out.splitlines()[:2] == ["[rank 0] step 2 saved", CONSEQUENCE]   # the explanation before any traceback
+    assert out.count(CONSEQUENCE) == 1
+    assert err.startswith("[rank 1] Traceback (most recent call last):\n")  # the cause, whole
+    rank0 = [line for line in err.splitlines() if line.startswith("[rank 0] ")]
+    assert rank0 == ["[rank 0] RuntimeError: Connection closed by peer [127.0.0.1]:10166. This is typically caused "
+                     "by a remote worker crashing. (its traceback of 2 lines cut)"]
+    # An unexpected failure keeps every traceback whole, the explanation after it (the learner debugs it).
+    out, err = _finish_prints(expect_failure=False)
+    assert '[rank 0]   File "<cell>", line 8, in <module>' in err.splitlines()
+    assert out.splitlines()[-1] == CONSEQUENCE

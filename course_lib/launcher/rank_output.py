@@ -26,7 +26,8 @@ from typing import Any
 from ..rank.contract import CELL_LABEL, log_files, parse_log_path
 
 __all__ = [
-    "MAX_LINES_PER_RANK", "LogFollower", "RankFdOutput", "clean_paths", "clean_rank_text", "describe_exit", "short_frames",
+    "MAX_LINES_PER_RANK", "LogFollower", "RankFdOutput", "clean_paths", "clean_rank_text", "cut_traceback", "describe_exit",
+    "short_frames",
     "attempt_failures", "exit_summary", "parse_torchrun_failures", "rank_block", "ranks_phrase",
 ]
 
@@ -128,6 +129,22 @@ def clean_paths(text: str, script_path: str, label: str = CELL_LABEL) -> str:
 def clean_rank_text(rank: int, text: str, script_path: str) -> str:
     """Stable script label, and without torch's own "[rankN]: " prefix (we add "[rank N]")."""
     return re.sub(rf"^\[rank{rank}\]: ?", "", clean_paths(text, script_path), flags=re.MULTILINE)
+
+
+# Where a C++ error was raised in torch's build tree, e.g. "[/__w/pytorch/pytorch/third_party/gloo/.../pair.cc:553] ".
+_BUILD_PATH = re.compile(r"\[/[^\]\s]*\.(?:cc|cpp|cu|h|hpp):\d+\] ")
+
+
+def cut_traceback(text: str) -> str:
+    """`text` with its first traceback cut to the exception's last line (no build path) and how many lines went;
+    text without a traceback unchanged. For an error that only follows from another rank's exit."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")), None)
+    last = next((i for i in range(len(lines) - 1, start or 0, -1) if lines[i].strip()), None)
+    if start is None or last is None:
+        return text
+    error = _BUILD_PATH.sub("", lines[last].strip())
+    return "\n".join(lines[:start] + [f"{error} (its traceback of {last - start} lines cut)"]) + "\n"
 
 
 def rank_block(rank: int, text: str, max_lines: int = MAX_LINES_PER_RANK) -> str:

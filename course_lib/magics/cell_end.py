@@ -5,7 +5,9 @@ rank failed first, its failure sentence, its interrupt line); `finish` then
 updates `cl.results` and `cl.ledgers` (marked stale after an interrupt: course_lib/results.py), prints the ranks' output in rank order,
 and raises or not: CellInterrupted (a KeyboardInterrupt shown as one line) after
 an interrupt, RankFailure after a failure unless `--expect-failure` was given,
-RankFailure after a success if it was.
+RankFailure after a success if it was. A failure the cell expects (`--expect-failure`) whose other ranks
+only lost their peer shows the course's one-line explanation first, those ranks' tracebacks cut to their
+last line (`rank_output.cut_traceback`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ..launcher.diagnosis import lost_peer
+from ..launcher.rank_output import cut_traceback
 from ..results import mark_stale, record_run
 from .args import CellInterrupted, RankFailure
 from .display import print_diagnosis, print_rank_blocks
@@ -46,11 +50,20 @@ def finish(end: CellEnd, *, expect_failure: bool) -> None:
     for ended, stdout in end.earlier_attempts:
         print_rank_blocks(stdout, {})
         print(ended)
-    print_rank_blocks(end.stdout, end.stderr, first=end.first)
+    stderr, explained = end.stderr, []
+    if expect_failure and end.consequences:
+        # The failure is the lesson's point: the explanation first, the peers' "connection closed" walls cut.
+        stderr = {r: cut_traceback(text) if r != end.first and lost_peer(text) else text for r, text in stderr.items()}
+        explained = end.consequences
+    print_rank_blocks(end.stdout, {})
+    for line in explained:
+        print(line, flush=True)  # before the ranks' stderr, which is written unbuffered
+    print_rank_blocks({}, stderr, first=end.first)
     if end.exit_line is not None:
         print(end.exit_line)
     for line in end.consequences:
-        print(line)
+        if line not in explained:
+            print(line)
     print_diagnosis(end.diagnosis, end.stacks)
     if end.interrupted is not None:
         print(end.interrupted)

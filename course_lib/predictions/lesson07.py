@@ -1,13 +1,14 @@
 """Lesson 07's predictions (see course_lib/predictions/__init__.py).
 
 Each measures from what a run cell of notebooks/07_checkpointing.ipynb published (`cl.results`): the
-losses of the resumes, the tensor bytes in each file of the 4-rank checkpoint (from its `.metadata`),
-and the files a rank's read plan touched.
+losses of the resumes, the file holding each of Adam's step counters in the 4-rank checkpoint (from its
+`.metadata`), and the files a rank's read plan touched.
 """
 
 from __future__ import annotations
 
-from ..theory import chunk_sizes
+import math
+
 from .spec import Prediction
 
 __all__ = ["PREDICTIONS"]
@@ -29,17 +30,24 @@ def _matching_formula(results) -> tuple:
     return 1, 0, 0
 
 
-def _rank0_formula(results) -> int:
-    """Rank 0's rows of every parameter (torch.chunk of dim 0 over 4), three times (weights, exp_avg,
-    exp_avg_sq), 4 bytes each. The step counters are left out of the question and of the measure alike."""
-    published = results["four"][0]
-    rows = 0
-    for shape in published["shapes"].values():
-        columns = 1
-        for size in shape[1:]:
-            columns *= size
-        rows += chunk_sizes(shape[0], 4)[0] * columns
-    return 3 * 4 * rows
+def _counters_measured(results) -> tuple:
+    """How many of Adam's step counters each rank's file of the 4-rank checkpoint holds (from its .metadata)."""
+    files = list(results["four"][0]["step_files"].values())
+    return tuple(files.count(f"__{rank}_0.distcp") for rank in range(4))
+
+
+def _counters_formula(results) -> tuple:
+    """The save planner's rule (_dedup_save_plans.py): going through the items in first-seen order (rank 0's
+    plan first), each shared item goes to the rank with the fewest bytes planned so far, the lowest on a tie.
+    Rank 0's shards come before every counter in its plan, so rank 0 already has bytes when the first counter
+    comes; each counter (4 bytes) then goes to the emptiest of ranks 1-3 in turn."""
+    # Rank 0's shards (kilobytes) outweigh all the counters together (4 bytes each): it never has the fewest.
+    planned, held = [math.inf, 0, 0, 0], [0, 0, 0, 0]
+    for _ in range(results["four"][0]["parameters"]):
+        rank = min(range(4), key=lambda r: planned[r])
+        planned[rank] += 4
+        held[rank] += 1
+    return tuple(held)
 
 
 def _files_formula(results) -> tuple:
@@ -58,25 +66,27 @@ PREDICTIONS: dict[str, Prediction] = {
         formula=_matching_formula,
         explanation=("a step's loss is computed by the forward before that step's update. Without Adam's state, step "
                      "4's forward still uses the loaded weights, the right rows and noise: it matches; its update then "
-                     "starts Adam's moments from zero and step count 1, so steps 5 and 6 differ. Without the RNG "
+                     "starts Adam's moments from zero (and the fresh Adam's step count is already 1, from get_state_dict's "
+                     "lr-0 step: section 1), so steps 5 and 6 differ. Without the RNG "
                      "state, step 4 draws the noise the fresh seed gives (step 1's), and without the epoch the "
                      "sampler still shuffles with epoch 0's order in the middle of epoch 1: both differ from step 4 "
                      "on, and once the weights differ nothing matches again."),
         unit="steps",
     ),
-    "07.rank0_bytes": Prediction(
-        id="07.rank0_bytes",
-        question="bytes of shards (rows of parameters, exp_avg, exp_avg_sq) in rank 0's file of the 4-rank checkpoint",
+    "07.step_counters": Prediction(
+        id="07.step_counters",
+        question="Adam's step counters in each rank's file of the 4-rank checkpoint (ranks 0, 1, 2, 3)",
         needs="four",
-        measure=lambda results, ledgers: results["four"][0]["shard_bytes"]["__0_0.distcp"],
-        formula=_rank0_formula,
-        explanation=("every parameter's dim 0 divides by 4, so rank 0 holds a quarter of the rows of each: 589 of the "
-                     "2,356 parameters, and Adam's exp_avg and exp_avg_sq are sharded the same way: 3 x 589 x 4 bytes. "
-                     "The step counters (plain tensors with the same name on every rank) are written once each, by "
-                     "the rank with the fewest bytes planned when the planner reaches them; rank 0's shards come "
-                     "first in its order, so here they went to ranks 1-3 (cl.results['four'][0]['step_files']). The "
-                     "file on disk is larger: each tensor carries torch.save's header."),
-        unit="B",
+        measure=lambda results, ledgers: _counters_measured(results),
+        formula=_counters_formula,
+        explanation=("a counter has the same name on every rank, so one rank writes it: the planner goes through "
+                     "the items in first-seen order, rank 0's plan first, and gives each shared item to the rank "
+                     "with the fewest bytes planned so far (the lowest rank on a tie). Rank 0's shards come first "
+                     "in its state dict, so when the first counter comes rank 0 already has kilobytes planned and "
+                     "ranks 1-3 none: the counter goes to rank 1 (4 bytes), the next to rank 2, then rank 3, then "
+                     "rank 1 again: 12 counters, 4 each, none in rank 0's file. Every rank then reads files it "
+                     "holds no shard of, if only for a few bytes (section 7)."),
+        unit="counters",
     ),
     "07.files_read": Prediction(
         id="07.files_read",

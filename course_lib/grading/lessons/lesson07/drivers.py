@@ -17,11 +17,14 @@ from typing import Callable
 
 import torch
 
-__all__ = ["dcp_app_state", "dcp_crash_safe_save", "dcp_reshard_load", "full_state", "new_run", "train"]
+__all__ = ["dcp_app_state", "dcp_crash_safe_save", "dcp_reshard_load", "full_state", "new_run", "one_process_ranks",
+           "train"]
 
 ROWS = 16  # an epoch: 2 steps of 8 rows (each rank its share)
 BATCH = 8
 LR = 0.01
+FRESH_LR = 0.02  # a resumed run's Adam starts with another lr: only set_state_dict puts the saved param_groups back
+DECAY_EVERY, DECAY = 2, 0.5  # the run's StepLR: lr halves every 2 steps
 
 
 def _dist():
@@ -36,9 +39,10 @@ def _mesh(shape: tuple, names: tuple | None = None):
     return init_device_mesh("cpu", shape, mesh_dim_names=names)  # the checker's ranks run gloo
 
 
-def new_run(mesh=None, seed: int = 1234) -> types.SimpleNamespace:
-    """A fresh run: `model` (FSDP2 bottom-up over `mesh`, if given), `optimizer` (Adam), `sampler`, `step` 0;
-    the global RNG seeded with `seed` (the same on every rank, so one process can replay the noise)."""
+def new_run(mesh=None, seed: int = 1234, lr: float = LR, per_rank: bool = False) -> types.SimpleNamespace:
+    """A fresh run: `model` (FSDP2 bottom-up over `mesh`, if given), `optimizer` (Adam at `lr`), `scheduler`
+    (StepLR), `sampler`, `step` 0; the global RNG seeded with `seed`, or `seed + rank` if `per_rank` (each
+    rank draws its own noise, as with dropout; `one_process_ranks` replays every rank's stream)."""
     from torch.utils.data import DistributedSampler
 
     from ....models import make_model
@@ -53,9 +57,10 @@ def new_run(mesh=None, seed: int = 1234) -> types.SimpleNamespace:
     dist = _dist()
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist and mesh is not None else (1, 0)
     sampler = DistributedSampler(range(ROWS), num_replicas=world, rank=rank, shuffle=True, seed=0)
-    torch.manual_seed(seed)
-    return types.SimpleNamespace(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=LR),
-                                 sampler=sampler, step=0)
+    torch.manual_seed(seed + (rank if per_rank else 0))
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=DECAY_EVERY, gamma=DECAY)
+    return types.SimpleNamespace(model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler, step=0)
 
 
 def train(run, until: int) -> list[float]:
@@ -77,12 +82,46 @@ def train(run, until: int) -> list[float]:
         loss = torch.nn.functional.mse_loss(run.model((inputs_all + noise)[rows]), targets_all[rows])
         loss.backward()
         run.optimizer.step()
+        run.scheduler.step()
         loss = loss.detach()
         if dist is not None and run.sampler.num_replicas > 1:
             dist.all_reduce(loss)
             loss /= run.sampler.num_replicas
         losses.append(loss.item())
         run.step += 1
+    return losses
+
+
+def one_process_ranks(world: int, steps: int, seed: int = 1234) -> list[float]:
+    """One process replaying `world` ranks seeded `seed + rank` (new_run(per_rank=True)): each step, every
+    rank's rows with that rank's noise, one forward over the 8 rows, one Adam step. Each step's loss."""
+    from torch.utils.data import DistributedSampler
+
+    from ....models import make_batch, make_model
+
+    inputs_all, targets_all = make_batch(ROWS)
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=DECAY_EVERY, gamma=DECAY)
+    samplers = [DistributedSampler(range(ROWS), num_replicas=world, rank=r, shuffle=True, seed=0) for r in range(world)]
+    streams = [torch.Generator().manual_seed(seed + r) for r in range(world)]
+    losses = []
+    for step in range(steps):
+        epoch, position = divmod(step, ROWS // BATCH)
+        share = BATCH // world
+        inputs, targets = [], []
+        for sampler, stream in zip(samplers, streams):
+            sampler.set_epoch(epoch)
+            rows = list(sampler)[position * share:(position + 1) * share]
+            noise = 0.01 * torch.randn(ROWS, inputs_all.shape[1], generator=stream)
+            inputs.append((inputs_all + noise)[rows])
+            targets.append(targets_all[rows])
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(torch.cat(inputs)), torch.cat(targets))
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.item())
     return losses
 
 
@@ -117,20 +156,22 @@ def dcp_app_state(fn: Callable, stop_at: int, total: int, folder: str) -> dict:
     """07.app_state: train to `stop_at`, save {"app": fn(run)} with dcp.save, train on to `total` (the
     uninterrupted run); then a fresh run, as a new launch would start it (another seed), loads {"app":
     fn(fresh)} with dcp.load and trains to `total` (the resumed run). Send back both runs' losses and which
-    parts the load restored."""
+    parts the load restored. Ranks are seeded per rank; the fresh run's Adam starts at another lr."""
     import torch.distributed.checkpoint as dcp
 
     mesh = _mesh((_dist().get_world_size(),))
-    run = new_run(mesh)
+    run = new_run(mesh, per_rank=True)
     train(run, stop_at)
     at_save = {"rng": torch.get_rng_state(), "epoch": run.sampler.epoch, "step": run.step,
-               "state": full_state(run.model, run.optimizer)}
+               "state": full_state(run.model, run.optimizer), "lr": run.optimizer.param_groups[0]["lr"],
+               "scheduler": run.scheduler.state_dict()}
     state = fn(run)
     dcp.save({"app": state}, checkpoint_id=folder)
     changed_rng = not _rng_matches(at_save["rng"])
     uninterrupted = train(run, total)
 
-    fresh = new_run(mesh, seed=99)  # a new process: another model state, the RNG elsewhere, epoch 0, step 0
+    # A new process: another model state, the RNG elsewhere, epoch 0, step 0, another lr and a new schedule.
+    fresh = new_run(mesh, seed=99, lr=FRESH_LR, per_rank=True)
     dcp.load({"app": fn(fresh)}, checkpoint_id=folder)
     loaded = full_state(fresh.model, fresh.optimizer)
     restored = {
@@ -141,6 +182,8 @@ def dcp_app_state(fn: Callable, stop_at: int, total: int, folder: str) -> dict:
         "optimizer": bool(loaded["exp_avg"]) and all(
             n in loaded["exp_avg"] and torch.equal(loaded["exp_avg"][n], v)
             for n, v in at_save["state"]["exp_avg"].items()) and loaded["steps"] == at_save["state"]["steps"],
+        "lr": fresh.optimizer.param_groups[0]["lr"] == at_save["lr"],
+        "scheduler": fresh.scheduler.state_dict() == at_save["scheduler"],
     }
     resumed_at = fresh.step
     resumed = train(fresh, total) if fresh.step < total else []
@@ -148,32 +191,38 @@ def dcp_app_state(fn: Callable, stop_at: int, total: int, folder: str) -> dict:
             "save_changed_rng": changed_rng}
 
 
-def dcp_reshard_load(fn: Callable, steps: int, layout: str, folder: str) -> dict:
-    """07.reshard_load: every rank trains `steps` Adam steps with the model FSDP2-sharded over all ranks and
-    saves {"model": ..., "optim": ...} (get_state_dict) with dcp.save; then builds a fresh model and Adam in
-    `layout` ("halves": a 2-D mesh (2, N/2), each rank holding half of the rows, as on 2 ranks; "whole": a
-    plain unsharded model on every rank) and calls fn(model, optimizer, folder). Send back the loaded
-    model and Adam state, and one more step's loss."""
-    import torch.distributed.checkpoint as dcp
+def dcp_reshard_load(fn: Callable, steps: int, layout: str, path: str) -> dict:
+    """07.reshard_load: rank 0 trains one process's run (a plain model, no mesh) `steps` Adam steps and
+    writes torch.save({"model": ..., "optim": ...}, path), the two dicts get_state_dict gives one process
+    (whole tensors keyed by parameter name); then every rank builds a fresh FSDP2 model and Adam at another
+    lr in `layout` ("shards": a 1-D mesh over all ranks; "halves": a 2-D mesh (2, N/2), HSDP, each rank
+    holding half of the rows) and calls fn(model, optimizer, path on rank 0, None on the others: the file
+    lies on rank 0's disk only). Send back the loaded model and Adam state."""
+    import torch.distributed.checkpoint  # noqa: F401 - state_dict's import needs the package first
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    world = _dist().get_world_size()
-    run = new_run(_mesh((world,)))
-    train(run, steps)
-    model_state, optim_state = get_state_dict(run.model, run.optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder)
-    del run, model_state, optim_state
+    dist = _dist()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if rank == 0:
+        one = new_run(None)
+        train(one, steps)
+        model_state, optim_state = get_state_dict(one.model, one.optimizer)
+        torch.save({"model": model_state, "optim": optim_state}, path)
+        del one, model_state, optim_state
+    dist.barrier()  # the file is written before any rank is asked to load it
 
     if layout == "halves":
         mesh = _mesh((2, world // 2), ("replicate", "shard"))  # HSDP: shards over mesh["shard"], replicas over 2
-        target = new_run(mesh)
-        held = target.model.state_dict()["1.up.weight"].to_local().shape[0]
     else:
-        target = new_run(None)
-        held = target.model.state_dict()["1.up.weight"].shape[0]
-    result = fn(target.model, target.optimizer, folder)
+        mesh = _mesh((world,))
+    target = new_run(mesh, lr=FRESH_LR)
+    result = fn(target.model, target.optimizer, path if rank == 0 else None)
+    # A rank back while another still waits in the load: this barrier (recorded, unlike full_tensor's gathers)
+    # lets a deadline's diagnosis say that this rank left the load and the other did not.
+    dist.barrier()
     loaded = full_state(target.model, target.optimizer)
-    return {"returned": None if result is None else type(result).__name__, "loaded": loaded, "rows_held": held}
+    loaded["lr"] = target.optimizer.param_groups[0]["lr"]
+    return {"returned": None if result is None else type(result).__name__, "loaded": loaded}
 
 
 class _DiesAfterWriting(Exception):
@@ -194,11 +243,14 @@ def dcp_crash_safe_save(fn: Callable, root: str) -> dict:
     run = new_run(mesh)
     states, named = {}, {}
 
+    inodes = []
+
     def latest() -> str | None:
         dist.barrier()  # rank 0 may still be writing it when another rank returns
         path = os.path.join(root, "LATEST")
         if not os.path.exists(path):
             return None
+        inodes.append(os.stat(path).st_ino)  # os.replace installs a new file; open(path, "w") rewrites the same one
         with open(path) as handle:
             return handle.read().strip()
 
@@ -243,6 +295,6 @@ def dcp_crash_safe_save(fn: Callable, root: str) -> dict:
         except BaseException as exc:  # noqa: BLE001 - CheckpointException
             load_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
     folders = sorted(os.listdir(root)) if os.path.isdir(root) else []
-    return {"named": named, "raised": raised, "load_error": load_error, "folders": folders,
+    return {"named": named, "raised": raised, "inodes": inodes, "load_error": load_error, "folders": folders,
             "loaded": full_state(fresh.model, fresh.optimizer), "states": states,
             "after_3": full_state(run.model, run.optimizer)}

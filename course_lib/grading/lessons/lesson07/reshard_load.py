@@ -1,0 +1,83 @@
+"""07.reshard_load: one process's torch.save checkpoint (model and Adam, whole tensors) resumed on N ranks in an
+FSDP2 layout, the file read by rank 0 only.
+
+Judged: the parameters, Adam's moments, step counts and lr (the target starts at another one) on every rank
+against one process after 2 steps.
+"""
+
+from __future__ import annotations
+
+from ...compare import each_result
+from ...spec import Exercise, Item, RunOutcome, RunSpec
+from .common import DCP_PRELOAD, one_process, state_wrong
+from .drivers import DECAY, DECAY_EVERY, LR
+
+__all__ = ["RESHARD_LOAD"]
+
+RESHARD_HINTS = (
+    "Reread lesson 07, section 4 'Resharding on load' (its note on whole tensors, from lesson 05) and section 9 "
+    "'Export' (a torch.save file of get_state_dict's dicts).",
+    "torch.load(..., weights_only=True); set_state_dict, or set_model_state_dict and set_optimizer_state_dict, "
+    "with StateDictOptions, all from torch.distributed.checkpoint.state_dict.",
+    "Every rank takes part in the load, telling it that the dicts hold whole tensors and that only rank 0 has "
+    "them: it then broadcasts them one tensor at a time and each rank keeps its own pieces. set_state_dict reads "
+    "an empty model dict as 'the optimizer only' and then skips the model's broadcasts that rank 0 makes.",
+)
+
+STEPS = 2
+SAVED_LR = LR * DECAY ** (STEPS // DECAY_EVERY)  # the checkpoint's lr: the schedule decayed it
+
+
+def _label(outcome: RunOutcome, case: int) -> str:
+    layout = outcome.inputs[case][0][1]
+    if layout == "halves":
+        return (f"loaded on {outcome.nproc} ranks over a (2, {outcome.nproc // 2}) mesh (HSDP, each rank holding "
+                "half of the rows)")
+    return f"loaded on {outcome.nproc} ranks over a mesh of {outcome.nproc} (FSDP2)"
+
+
+def _loaded(parts):
+    def judge(outcome: RunOutcome) -> list[str]:
+        _, want = one_process(STEPS)
+        for case, rank, result in each_result(outcome):
+            out = result.output
+            where = f"rank {rank}, {_label(outcome, case)}"
+            if out["returned"] is not None:
+                return [f"{where}: the function returned a {out['returned']}; it loads in place and returns None"]
+            wrong = state_wrong(out["loaded"], want, parts)
+            if wrong:
+                if parts[0] != "model" and not out["loaded"]["exp_avg"]:
+                    wrong += ": the optimizer's state was not loaded"
+                elif rank:
+                    wrong += (": rank 0's load did not reach this rank (only rank 0 has the file; the others "
+                              "must receive their pieces from it)")
+                return [f"{where}: after the load, {wrong} (one process after {STEPS} Adam steps)"]
+            if parts[0] != "model" and out["loaded"]["lr"] != SAVED_LR:
+                return [f"{where}: after the load, Adam's lr is {out['loaded']['lr']:g}, the checkpoint's "
+                        f"{SAVED_LR:g} (its param_groups): the optimizer's state dict was not handed back to it"]
+        return []
+    return judge
+
+
+RESHARD_LOAD = Exercise(
+    id="07.reshard_load",
+    hints=RESHARD_HINTS,
+    function="load_resharded",
+    signature="load_resharded(model, optimizer, path: str | None) -> None",
+    driver="dcp_reshard_load",
+    preload=DCP_PRELOAD,
+    runs=(
+        RunSpec(2, lambda n: [{r: (STEPS, "shards", "one_process.pt") for r in range(n)}],
+                (Item("one process -> FSDP2: the parameters equal one process after 2 steps (2 ranks)", 1,
+                      _loaded(("model",))),
+                 Item("one process -> FSDP2: Adam's moments, step counts and lr equal one process's (2 ranks)", 1,
+                      _loaded(("exp_avg", "exp_avg_sq", "steps")))),
+                timeout_s=30),
+        RunSpec(4, lambda n: [{r: (STEPS, "halves", "one_process.pt") for r in range(n)}],
+                (Item("one process -> HSDP (2, 2): the parameters equal one process after 2 steps (4 ranks)", 1,
+                      _loaded(("model",))),
+                 Item("one process -> HSDP (2, 2): Adam's moments, step counts and lr equal one process's (4 ranks)",
+                      1, _loaded(("exp_avg", "exp_avg_sq", "steps")))),
+                timeout_s=40),
+    ),
+)
