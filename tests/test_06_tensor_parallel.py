@@ -73,7 +73,7 @@ def test_each_exercise_states_its_deadline_cases_and_allowed_calls(exercise_id):
 def test_the_predictions_formulas():
     """The numbers the lesson's text and explanations state, from the formulas alone."""
     redistribute, mlp, memory = (prediction(f"06.{name}") for name in ("redistribute", "tp_mlp_bytes", "memory_2d"))
-    assert redistribute.formula({}) == (0, 0, 1, 24)
+    assert redistribute.formula({}) == (0, 0, 1, 32, 0)   # 3 columns on 4 ranks: 1, 1, 1 and nothing
     assert mlp.formula({"by_hand": {0: {"x": (4, 8)}, 1: {"x": (4, 8)}}}) == 2 * 4 * 8 * 4
     from course_lib.models import LLAMA_CONFIG as c
 
@@ -145,24 +145,25 @@ def test_a_wrong_answer_fails_with_what_is_wrong(mistake, ranks):
 
 def test_the_lessons_dispatch_mode_records_dtensors_all_to_all_as_on_a_cuda_mesh():
     """On a CUDA mesh DTensor's Shard(0) <-> Shard(1) is one op, torch.ops._dtensor.shard_dim_alltoall (a CPU mesh
-    all-gathers and keeps a piece instead, `_collective_utils.shard_dim_alltoall`): the lesson's dispatch mode (cell
-    6) must record that op, which it sees whole, and its check (cell 10) expect it on a CUDA mesh. Shown here on a
-    1-rank gloo group, calling the op as the CUDA path does, so CI covers what a GPU node runs."""
+    all-gathers and keeps a piece instead, `_collective_utils.shard_dim_alltoall`): the lesson's dispatch mode
+    (course_lib.measure.dtensor_ops.Collectives) must record that op, which it sees whole, and the lesson's check
+    expect it on a CUDA mesh. Shown here on a 1-rank gloo group, calling the op as the CUDA path does, so CI covers
+    what a GPU node runs."""
     import torch.distributed as dist
-    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from course_lib.measure.dtensor_ops import Collectives
 
     nb = nbformat.read(ROOT / "notebooks" / NOTEBOOK, as_version=4)
-    run = next(c.source for c in nb.cells if c.cell_type == "code" and "class Collectives(" in c.source)
-    check = next(c.source for c in nb.cells if c.cell_type == "code" and "swap = " in c.source)
+    code = [c.source for c in nb.cells if c.cell_type == "code"]
+    assert any("from course_lib.measure.dtensor_ops import Collectives" in source for source in code)
+    check = next(source for source in code if "swap = " in source)
     assert re.search(r'swap = "shard_dim_alltoall" if dtensor\["mesh device"\] == "cuda"', check)
-    namespace = {"torch": torch, "TorchDispatchMode": TorchDispatchMode}
-    exec(run[run.index("COLLECTIVES = "):run.index("full = ")], namespace)
     if dist.is_initialized():
         pytest.skip("a process group is already initialized in this process")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         piece = torch.arange(8.0).reshape(2, 4)
-        with namespace["Collectives"]() as seen:
+        with Collectives() as seen:
             out = torch.ops._dtensor.shard_dim_alltoall(piece, 0, 1, dist.group.WORLD.group_name)
         assert torch.equal(out, piece)   # one rank: its rows gathered, all columns kept
         assert seen.calls == [("shard_dim_alltoall", 32, 32)]
