@@ -74,7 +74,7 @@ def test_each_exercise_states_its_deadline_cases_and_allowed_calls(exercise_id):
 def test_the_predictions_formulas():
     """The numbers the lesson's text and explanations state, from the formulas alone."""
     redistribute, mlp, memory = (prediction(f"06.{name}") for name in ("redistribute", "tp_mlp_bytes", "memory_2d"))
-    assert redistribute.formula({}) == (0, 0, 1, 32, 0)   # 3 columns on 4 ranks: 1, 1, 1 and nothing
+    assert redistribute.formula({}) == (0, 0, 1, 1, 0)   # 3 columns on 4 ranks: 1, 1, 1 and nothing
     assert mlp.formula({"by_hand": {0: {"x": (4, 8)}, 1: {"x": (4, 8)}}}) == 2 * 4 * 8 * 4
     from course_lib.models import LLAMA_CONFIG as c
 

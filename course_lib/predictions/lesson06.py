@@ -21,15 +21,16 @@ FLOWS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
 
 def _redistribute_measured(results, ledgers) -> tuple:
     by_rank = results["partial"]
-    _, first, calls, _ = by_rank[0]["Shard(1)"]
+    first, _, calls, _ = by_rank[0]["Shard(1)"]
+    last = by_rank[max(by_rank)]["Shard(1)"][0]
     names = [name for name, _, _ in calls]
-    return (*(names.count(flow) for flow in FLOWS), first, by_rank[max(by_rank)]["Shard(1)"][1])
+    return (*(names.count(flow) for flow in FLOWS), first[1], last[1])
 
 
 def _redistribute_formula(results) -> tuple:
-    rows, cols, world = 8, 3, 4  # x [8, 4] Shard(1) @ w [4, 3] Shard(0) on the 4-rank mesh: an 8 x 3 Partial
+    cols, world = 3, 4  # x [8, 4] Shard(1) @ w [4, 3] Shard(0) on the 4-rank mesh: an 8 x 3 Partial
     pieces = chunk_sizes(cols, world)  # torch.chunk's columns per rank: 1, 1, 1, 0
-    return 0, 0, 1, rows * pieces[0] * 4, rows * pieces[-1] * 4
+    return 0, 0, 1, pieces[0], pieces[-1]
 
 
 def _mlp_bytes_measured(results, ledgers) -> int:
@@ -57,14 +58,14 @@ PREDICTIONS: dict[str, Prediction] = {
     "06.redistribute": Prediction(
         id="06.redistribute",
         question="Partial() -> Shard(1) of the 8 x 3 product on 4 ranks: (all-reduces, all-gathers, "
-                 "reduce-scatters, bytes of rank 0's piece, bytes of rank 3's piece)",
+                 "reduce-scatters, columns rank 0 holds, columns rank 3 holds)",
         needs="partial",
         measure=_redistribute_measured,
         formula=_redistribute_formula,
         explanation=("each rank holds an 8 x 3 term; the target is the sum, cut by columns as torch.chunk cuts "
                      "3 columns in 4: 1, 1, 1 and nothing. One reduce-scatter does it (each rank receives the sum "
                      "of its own piece only): DTensor pads the input to 4 columns so that the pieces are equal, "
-                     "and the last rank's piece is 8 x 0. Rank 0 gets 8 x 1 float32 = 32 bytes, rank 3 none."),
+                     "and the last rank's piece is 8 x 0: rank 0 holds 1 column, rank 3 none."),
     ),
     "06.tp_mlp_bytes": Prediction(
         id="06.tp_mlp_bytes",
