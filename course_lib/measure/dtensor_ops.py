@@ -16,9 +16,9 @@ COLLECTIVES = frozenset(
 
 class Collectives(TorchDispatchMode):
     """`with Collectives() as seen: ...`, then `seen.calls`: (name, bytes in, bytes out) of each collective that
-    ran under it, in order (backward included when it runs on this thread, as on the CPU). A collective that an
-    operator issues while the mode is handling that operator (loss_parallel's, inside DTensor's cross-entropy)
-    runs with the mode set aside, and is not seen."""
+    ran under it, in order (backward included when it runs on this thread, as on the CPU). Not recorded, as run in
+    lesson 06 on torch 2.13: loss_parallel's all-reduces, issued inside DTensor's cross-entropy (CommDebugMode
+    counts them)."""
 
     def __init__(self):
         super().__init__()
