@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["LLAMA_CONFIG", "Block", "ToyModel", "make_batch", "make_batches", "make_llama", "make_mlp", "make_model",
-           "make_tokens", "rank_batch", "shard_model", "toy_batch", "toy_model"]
+__all__ = ["LLAMA_CONFIG", "Block", "TinyLM", "ToyModel", "make_batch", "make_batches", "make_llama", "make_mlp",
+           "make_model", "make_tokens", "rank_batch", "shard_model", "toy_batch", "toy_model"]
 
 
 class Block(nn.Module):
@@ -39,6 +39,23 @@ class ToyModel(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+
+class TinyLM(nn.Module):
+    """Lesson 06's language model for sequence parallelism: Embedding(vocab, hidden) -> RMSNorm -> MLP
+    (Linear(hidden, 4 hidden) -> GELU -> Linear(4 hidden, hidden), added to its input) -> RMSNorm ->
+    Linear(hidden, vocab, bias=False), the logits. Submodules: embed, norm, mlp.0, mlp.2, out_norm, head."""
+
+    def __init__(self, vocab: int = 64, hidden: int = 16):
+        super().__init__()
+        self.embed, self.norm = nn.Embedding(vocab, hidden), nn.RMSNorm(hidden)
+        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+        self.out_norm, self.head = nn.RMSNorm(hidden), nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        x = x + self.mlp(self.norm(x))
+        return self.head(self.out_norm(x))
 
 
 def toy_model(*, dim: int = 8, hidden: int = 13, layers: int = 2, out: int = 5, seed: int = 0) -> ToyModel:

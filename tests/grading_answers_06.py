@@ -1,6 +1,6 @@
 """Answer cells for lesson 06's grader tests: the solutions (as in solutions/06_tensor_parallel_solutions.ipynb)
-and plausible wrong answers, each of which must lose the points its mistake deserves, with a message that
-says what is wrong."""
+and the wrong answers a learner would write, each of which must lose the points its mistake deserves, with a
+message that says what is wrong."""
 
 import nbformat
 
@@ -8,28 +8,64 @@ from course_lib.grading.cells import exercise_cells
 from exercise_notebooks import notebook_path
 
 SOLUTIONS = exercise_cells(nbformat.read(notebook_path("solutions", "06_tensor_parallel.ipynb"), as_version=4))
-MLP_SOLUTION, ATTENTION_SOLUTION, MESH_SOLUTION = (
-    SOLUTIONS[i] for i in ("06.megatron_mlp", "06.attention_plan", "06.mesh_2d"))
+SP_SOLUTION, EMBEDDING_SOLUTION, CE_SOLUTION = (
+    SOLUTIONS[i] for i in ("06.sp_mlp", "06.vocab_embedding", "06.vocab_cross_entropy"))
 
-# The all-reduce after the column-parallel layer too: it sums different hidden units of the ranks.
-MLP_REDUCE_AFTER_COLUMN = MLP_SOLUTION.replace(
-    "hidden = torch.nn.functional.gelu(CopyToParallel.apply(x) @ self.up_weight.t() + self.up_bias)",
-    "hidden = torch.nn.functional.gelu(ReduceFromParallel.apply(CopyToParallel.apply(x) @ self.up_weight.t() "
-    "+ self.up_bias))")
 
-# f without its all-reduce: the gradient of x is this rank's term only.
-MLP_NO_BACKWARD_REDUCE = MLP_SOLUTION.replace(
-    "        grad = grad.clone()\n        dist.all_reduce(grad)  # f: each rank's hidden units contribute a term of x's gradient\n",
-    "")
+def _replaced(source: str, old: str, new: str) -> str:
+    assert source.count(old) == 1, old   # the mistake is made exactly where it is meant
+    return source.replace(old, new)
 
-# The module keeps all n_heads: its view fails on this rank's q.
-ATTENTION_HEADS_KEPT = ATTENTION_SOLUTION.replace(
-    "    attention.n_heads //= mesh.size()  # the forward's view: this rank's heads only\n", "")
 
-# q row-parallel: its weight sharded on the input dimension.
-ATTENTION_Q_ROWWISE = ATTENTION_SOLUTION.replace('{"q": ColwiseParallel()', '{"q": RowwiseParallel()')
+# SP's exit as an all-reduce, then this rank's rows cut out: the right numbers, the whole sequence summed.
+SP_ALL_REDUCE_EXIT = _replaced(
+    SP_SOLUTION,
+    "        mine = terms.new_empty(terms.shape[0] // dist.get_world_size(), *terms.shape[1:])\n"
+    "        dist.reduce_scatter_tensor(mine, terms.contiguous())  # the ranks' terms summed, this rank's rows kept\n"
+    "        return mine\n",
+    "        terms = terms.clone()\n        dist.all_reduce(terms)\n"
+    "        rows = terms.shape[0] // dist.get_world_size()\n"
+    "        return terms[dist.get_rank() * rows:(dist.get_rank() + 1) * rows]\n")
 
-# FSDP over tp and TP over dp: the sub-meshes swapped.
-MESH_SWAPPED = MESH_SOLUTION.replace('parallelize_module(block, mesh["tp"]', 'parallelize_module(block, mesh["dp"]') \
-    .replace('fully_shard(block, mesh=mesh["dp"])', 'fully_shard(block, mesh=mesh["tp"])') \
-    .replace('fully_shard(model, mesh=mesh["dp"])', 'fully_shard(model, mesh=mesh["tp"])')
+# The all-gather's backward only slices this rank's rows of the gradient (no sum over the ranks).
+SP_GATHER_BACKWARD_SLICES = _replaced(
+    SP_SOLUTION,
+    "        mine = grad.new_empty(grad.shape[0] // dist.get_world_size(), *grad.shape[1:])\n"
+    "        dist.reduce_scatter_tensor(mine, grad.contiguous())  # every rank's hidden units used these rows: sum\n"
+    "        return mine\n",
+    "        rows = grad.shape[0] // dist.get_world_size()\n"
+    "        return grad[dist.get_rank() * rows:(dist.get_rank() + 1) * rows]\n")
+
+# down's bias added as a plain parameter: its gradient covers this rank's rows only (a Partial left unsummed).
+SP_BIAS_TERM = _replaced(SP_SOLUTION, "+ BiasOnRows.apply(self.down_bias)", "+ self.down_bias")
+
+# Tokens not masked: a token outside this rank's rows clamped into them, read from the wrong row.
+EMBEDDING_NOT_MASKED = _replaced(
+    EMBEDDING_SOLUTION,
+    "        rows = torch.nn.functional.embedding(local, self.weight) * mine.unsqueeze(-1)\n",
+    "        rows = torch.nn.functional.embedding((tokens - self.start).clamp(0, self.weight.shape[0] - 1), "
+    "self.weight)\n")
+
+# The all-reduce's backward sums again (f's backward where g's belongs).
+EMBEDDING_BACKWARD_SUMS = _replaced(
+    EMBEDDING_SOLUTION,
+    "        return grad  # every rank holds the whole output's gradient: its own rows take their part\n",
+    "        grad = grad.clone()\n        dist.all_reduce(grad)\n        return grad\n")
+
+# Each rank's own max, not the whole row's: the ranks' sums of exponentials are shifted differently.
+CE_LOCAL_MAX = _replaced(CE_SOLUTION,
+                         "    dist.all_reduce(top, op=dist.ReduceOp.MAX)               # the whole row's max: a constant shift\n",
+                         "")
+
+# No max at all: exp of logits around 100 overflows float32.
+CE_NO_MAX = _replaced(CE_SOLUTION, "    shifted = logits - top.unsqueeze(-1)\n", "    shifted = logits\n")
+
+# The target's logit not masked: every rank adds a logit, one of them the target's.
+CE_NOT_MASKED = _replaced(CE_SOLUTION, "    picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine\n",
+                          "    picked = shifted.gather(-1, (targets - start).clamp(0, per - 1).unsqueeze(-1)).squeeze(-1)\n")
+
+# The sums' backward all-reduces: every rank's loss is the same, so the gradient is counted N times.
+CE_BACKWARD_SUMS = _replaced(
+    CE_SOLUTION,
+    "        return grad  # every rank holds the same loss: each rank's own terms get their gradient, no sum\n",
+    "        grad = grad.clone()\n        dist.all_reduce(grad)\n        return grad\n")

@@ -1,8 +1,8 @@
 """Lesson 06: the lesson runs every seed name it must, its predictions' formulas hold, and its exercises,
 graded on real gloo ranks: the solution scores full marks, the stub zero with its hint (shown once per
 report), and each plausible wrong answer loses the points its mistake deserves, with a message that says
-what is wrong (the rank, the case, and the mechanism: the all-reduce in the wrong place, the heads not
-divided, the sub-meshes swapped).
+what is wrong (the rank, the case, and the mechanism: an all-reduce where SP reduce-scatters, a gradient left a
+term, a token or target not masked, a max that is not the whole row's, a backward that sums again).
 
 One set of grading ranks serves the whole module (as the grader gives one to a submission): started once,
 forked from a server that has imported tensor parallel and FSDP, restarted only after a run that failed.
@@ -31,7 +31,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK = "06_tensor_parallel.ipynb"
 STUBS = exercise_cells(nbformat.read(notebook_path("exercises", NOTEBOOK), as_version=4))
 IDS = exercises_of_lesson("06")
-MLP, ATTENTION, MESH = IDS
+SP, EMBEDDING, CE = IDS
+SOLUTION_OF = {SP: "SP_SOLUTION", EMBEDDING: "EMBEDDING_SOLUTION", CE: "CE_SOLUTION"}
 SEED_NAMES = ("init_device_mesh", "mesh_dim_names", "get_group", "parallelize_module", "ColwiseParallel",
               "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput", "loss_parallel",
               "Shard", "Replicate", "Partial", "distribute_tensor", "redistribute")
@@ -52,7 +53,7 @@ def test_every_lesson_06_seed_name_runs_in_a_code_cell():
 
 
 def test_the_notebook_lists_exactly_the_exercises_graded():
-    assert IDS == ["06.megatron_mlp", "06.attention_plan", "06.mesh_2d"]
+    assert IDS == ["06.sp_mlp", "06.vocab_embedding", "06.vocab_cross_entropy"]
     for folder in ("solutions", "exercises"):
         cells = exercise_cells(nbformat.read(notebook_path(folder, NOTEBOOK), as_version=4))
         assert list(cells) == IDS
@@ -73,7 +74,7 @@ def test_each_exercise_states_its_deadline_cases_and_allowed_calls(exercise_id):
 def test_the_predictions_formulas():
     """The numbers the lesson's text and explanations state, from the formulas alone."""
     redistribute, mlp, memory = (prediction(f"06.{name}") for name in ("redistribute", "tp_mlp_bytes", "memory_2d"))
-    assert redistribute.formula({}) == (0, 0, 1, 24)
+    assert redistribute.formula({}) == (0, 0, 1, 1, 0)   # 3 columns on 4 ranks: 1, 1, 1 and nothing
     assert mlp.formula({"by_hand": {0: {"x": (4, 8)}, 1: {"x": (4, 8)}}}) == 2 * 4 * 8 * 4
     from course_lib.models import LLAMA_CONFIG as c
 
@@ -93,8 +94,7 @@ def test_the_predictions_formulas():
 @pytest.mark.slow
 @pytest.mark.parametrize("exercise_id", IDS)
 def test_solution_scores_full_marks(exercise_id, ranks):
-    assert_full_marks(exercise_id, getattr(answers, {MLP: "MLP_SOLUTION", ATTENTION: "ATTENTION_SOLUTION",
-                                                     MESH: "MESH_SOLUTION"}[exercise_id]), ranks=ranks)
+    assert_full_marks(exercise_id, getattr(answers, SOLUTION_OF[exercise_id]), ranks=ranks)
 
 
 @pytest.mark.slow
@@ -104,65 +104,92 @@ def test_stub_scores_zero_and_says_what_to_write_once(exercise_id, ranks):
 
 
 WRONG = {
-    "all-reduce after the column layer": (
-        MLP, "MLP_REDUCE_AFTER_COLUMN",
-        {"output equals one process (2 ranks)": "summing the column-parallel layer's output adds different hidden",
-         "one all-reduce in forward, one in backward (2 ranks)": "2 all-reduce(s) in forward and 1 in backward"}),
-    "no all-reduce in backward": (
-        MLP, "MLP_NO_BACKWARD_REDUCE",
-        {"gradients of the input and of each shard equal one process (2 ranks)": "backward all-reduced nothing",
-         "one all-reduce in forward, one in backward (2 ranks)": "1 all-reduce(s) in forward and 0 in backward"}),
-    "heads not divided": (
-        ATTENTION, "ATTENTION_HEADS_KEPT",
-        {"q, k, v Shard(0), o Shard(1), 2 of the 4 heads per rank (2 ranks)": "n_heads=4 heads, expected 2"}),
-    "q sharded on the wrong dim": (
-        ATTENTION, "ATTENTION_Q_ROWWISE",
-        {"q, k, v Shard(0), o Shard(1), 2 of the 4 heads per rank (2 ranks)":
-         "q.weight has placements ['Shard(dim=1)'], expected ['Shard(dim=0)']"}),
-    "FSDP on tp, TP on dp": (
-        MESH, "MESH_SWAPPED",
-        {"a 2 x 2 mesh ('dp', 'tp'): each Block's Linears TP over tp and sharded over dp": "the sub-meshes swapped"}),
+    "SP's exit as an all-reduce": (
+        SP, "SP_ALL_REDUCE_EXIT",
+        {"all-gather then reduce-scatter in forward, mirrored in backward (2 ranks)":
+         "SP's exit is a reduce-scatter"}, ("output rows equal one process (2 ranks)",)),
+    "the all-gather's backward only slices": (
+        SP, "SP_GATHER_BACKWARD_SLICES",
+        {"gradients of the rows and of each shard equal one process (2 ranks)": "the all-gather's backward "
+         "reduce-scatters",
+         "all-gather then reduce-scatter in forward, mirrored in backward (2 ranks)": "expected the mirror of forward"},
+        ("output rows equal one process (2 ranks)",)),
+    "down's bias gradient left a term": (
+        SP, "SP_BIAS_TERM",
+        {"gradients of the rows and of each shard equal one process (4 ranks)":
+         "the gradient of down_bias (this rank's part of 2.bias)"}, ("output rows equal one process (4 ranks)",)),
+    "tokens not masked": (
+        EMBEDDING, "EMBEDDING_NOT_MASKED",
+        {"output equals one process on every rank (2 ranks)": "must give a zero row (mask it)"}, ()),
+    "the embedding's backward sums again": (
+        EMBEDDING, "EMBEDDING_BACKWARD_SUMS",
+        {"each rank's rows of the weight's gradient equal one process (2 ranks)": "2 times too large",
+         "one all-reduce in forward, none in backward (2 ranks)": "and backward ['all_reduce']"},
+        ("output equals one process on every rank (2 ranks)",)),
+    "a local max": (
+        CE, "CE_LOCAL_MAX",
+        {"the loss equals one process on every rank (2 ranks)": "the max, the sum of exponentials and the target's logit "
+         "each need the whole row"}, ()),
+    "no max": (
+        CE, "CE_NO_MAX",
+        {"the loss equals one process on every rank (2 ranks)": "not finite: exp of a large logit overflows"}, ()),
+    "the target not masked": (
+        CE, "CE_NOT_MASKED",
+        {"the loss equals one process on every rank (2 ranks)": "the others masked to zero"}, ()),
+    "the loss's backward sums again": (
+        CE, "CE_BACKWARD_SUMS",
+        {"each rank's columns of the logits' gradient equal one process (4 ranks)": "4 times too large",
+         "three all-reduces in forward, none in backward (2 ranks)": "and backward ['all_reduce', 'all_reduce']"},
+        ("the loss equals one process on every rank (2 ranks)",)),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mistake", list(WRONG))
 def test_a_wrong_answer_fails_with_what_is_wrong(mistake, ranks):
-    exercise_id, name, expected = WRONG[mistake]
+    exercise_id, name, expected, kept = WRONG[mistake]
     source = getattr(answers, name)
-    assert source != getattr(answers, {MLP: "MLP_SOLUTION", ATTENTION: "ATTENTION_SOLUTION",
-                                       MESH: "MESH_SOLUTION"}[exercise_id])   # the mistake was made
+    assert source != getattr(answers, SOLUTION_OF[exercise_id])   # the mistake was made
     items = check_exercise(exercise(exercise_id), source, ranks=ranks)
     failed = failed_items(items)
     for item, phrase in expected.items():
         assert item in failed, (item, failed)
         assert phrase in failed[item], failed[item]
         assert failed[item].startswith("rank "), failed[item]
+    for item in kept:   # what the mistake leaves right keeps its point
+        assert item not in failed, (item, failed[item])
     assert sum(item.score for item in items) < exercise(exercise_id).points
-    if mistake == "no all-reduce in backward":   # the output is right: that point is kept
-        assert "output equals one process (2 ranks)" not in failed
+
+
+def test_a_gradient_that_never_arrived_is_named_as_such():
+    """first_difference on None (a parameter whose .grad stayed None) says so, instead of naming its type."""
+    from course_lib.grading.compare import first_difference
+
+    assert first_difference(None, torch.zeros(3), what="down_bias on rank 1") == \
+        "is None: no gradient reached down_bias on rank 1"
 
 
 def test_the_lessons_dispatch_mode_records_dtensors_all_to_all_as_on_a_cuda_mesh():
     """On a CUDA mesh DTensor's Shard(0) <-> Shard(1) is one op, torch.ops._dtensor.shard_dim_alltoall (a CPU mesh
-    all-gathers and keeps a piece instead, `_collective_utils.shard_dim_alltoall`): the lesson's dispatch mode (cell
-    6) must record that op, which it sees whole, and its check (cell 10) expect it on a CUDA mesh. Shown here on a
-    1-rank gloo group, calling the op as the CUDA path does, so CI covers what a GPU node runs."""
+    all-gathers and keeps a piece instead, `_collective_utils.shard_dim_alltoall`): the lesson's dispatch mode
+    (course_lib.measure.dtensor_ops.Collectives) must record that op, which it sees whole, and the lesson's check
+    expect it on a CUDA mesh. Shown here on a 1-rank gloo group, calling the op as the CUDA path does, so CI covers
+    what a GPU node runs."""
     import torch.distributed as dist
-    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from course_lib.measure.dtensor_ops import Collectives
 
     nb = nbformat.read(ROOT / "notebooks" / NOTEBOOK, as_version=4)
-    run = next(c.source for c in nb.cells if c.cell_type == "code" and "class Collectives(" in c.source)
-    check = next(c.source for c in nb.cells if c.cell_type == "code" and "swap = " in c.source)
+    code = [c.source for c in nb.cells if c.cell_type == "code"]
+    assert any("from course_lib.measure.dtensor_ops import Collectives" in source for source in code)
+    check = next(source for source in code if "swap = " in source)
     assert re.search(r'swap = "shard_dim_alltoall" if dtensor\["mesh device"\] == "cuda"', check)
-    namespace = {"torch": torch, "TorchDispatchMode": TorchDispatchMode}
-    exec(run[run.index("COLLECTIVES = "):run.index("full = ")], namespace)
     if dist.is_initialized():
         pytest.skip("a process group is already initialized in this process")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         piece = torch.arange(8.0).reshape(2, 4)
-        with namespace["Collectives"]() as seen:
+        with Collectives() as seen:
             out = torch.ops._dtensor.shard_dim_alltoall(piece, 0, 1, dist.group.WORLD.group_name)
         assert torch.equal(out, piece)   # one rank: its rows gathered, all columns kept
         assert seen.calls == [("shard_dim_alltoall", 32, 32)]

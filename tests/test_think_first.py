@@ -30,7 +30,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 LESSONS = ("01", "02", "03", "04", "05", "06", "07")
 MIN_REVEALS = {"01": 2, "02": 2, "03": 2, "04": 4, "05": 4, "06": 3, "07": 3}
 NEW_EXERCISES = ("02.ddp_from_scratch", "03.zero1_by_hand", "04.memory_per_rank", "05.zero3_linear", "05.hsdp_mesh",
-                 "06.megatron_mlp", "07.crash_safe_save")
+                 "06.sp_mlp", "06.vocab_embedding", "06.vocab_cross_entropy", "07.crash_safe_save")
 STUB = re.compile(r"""NotImplementedError\((["'])(.*?)\1\)""")
 # A number a learner could read: two digits or more, or a digit next to a decimal point/thousands comma.
 NUMBER = re.compile(r"\d[\d,_.]*\d")
@@ -113,6 +113,7 @@ def test_the_build_it_yourself_exercises_exist_and_have_their_cells():
         cells = exercise_cells(_nb(_notebook("solutions", exercise_id[:2])))
         assert exercise_id in cells, f"no %%exercise {exercise_id} cell in solutions/"
     assert "02.average_gradients" not in known  # replaced by 02.ddp_from_scratch
+    assert not {"06.megatron_mlp", "06.attention_plan", "06.mesh_2d"} & set(known)  # copies of lesson 06's cells
 
 
 def _nb(path: pathlib.Path):

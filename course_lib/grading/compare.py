@@ -19,14 +19,17 @@ def each_result(outcome: "RunOutcome") -> Iterator[tuple[int, int, "CaseResult"]
             yield case, rank, by_rank[rank]
 
 
-def first_difference(got: Any, expected: Any, *, rtol: float = 0.0, atol: float = 0.0) -> str:
+def first_difference(got: Any, expected: Any, *, rtol: float = 0.0, atol: float = 0.0, what: str = "") -> str:
     """"" if `got` equals the tensor `expected`; else the first difference, in words.
 
     Exact by default; with `rtol`/`atol`, elements within `atol + rtol * |expected|` count as
-    equal (torch.isclose's rule, as `torch.testing.assert_close` applies it).
+    equal (torch.isclose's rule, as `torch.testing.assert_close` applies it). A `got` of None is a
+    gradient that never arrived: "is None: no gradient reached `what`" (e.g. "down_bias on rank 1").
     """
     import torch
 
+    if got is None:
+        return f"is None: no gradient reached {what or 'it'}"
     if not isinstance(got, torch.Tensor):
         return f"got a {type(got).__name__}, expected a tensor of shape {list(expected.shape)}"
     if got.shape != expected.shape:

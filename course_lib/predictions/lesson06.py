@@ -1,16 +1,17 @@
 """Lesson 06's predictions (see course_lib/predictions/__init__.py).
 
 Each measures from what a run cell of notebooks/06_tensor_parallel.ipynb published (`cl.results`) and from
-its ledger (`cl.ledgers`, the last `%%torchrun` cell's), and checks it against the formula: DTensor's
-`Partial` -> `Shard(0)` (one reduce-scatter, a 1/N piece), Megatron's MLP (cl.theory's `tp_layer_comm`,
-its MLP half) and the bytes of a 2-D (dp x tp) layout from the parameters' shapes.
+the ledger of the cell that published it, and checks it against the formula: DTensor's `Partial` ->
+`Shard(1)` on an uneven split (one reduce-scatter, torch.chunk's pieces: the last rank's empty), Megatron's
+MLP (cl.theory's `tp_layer_comm`, its MLP half) and the bytes of a 2-D (dp x tp) layout from the parameters'
+shapes.
 """
 
 from __future__ import annotations
 
 import math
 
-from ..theory import tp_layer_comm
+from ..theory import chunk_sizes, tp_layer_comm
 from .spec import Prediction
 
 __all__ = ["PREDICTIONS"]
@@ -19,14 +20,17 @@ FLOWS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
 
 
 def _redistribute_measured(results, ledgers) -> tuple:
-    shape, nbytes, calls, _ = results["dtensor"][0]["partial"]["Shard(0)"]
+    by_rank = results["partial"]
+    first, _, calls, _ = by_rank[0]["Shard(1)"]
+    last = by_rank[max(by_rank)]["Shard(1)"][0]
     names = [name for name, _, _ in calls]
-    return (*(names.count(flow) for flow in FLOWS), nbytes)
+    return (*(names.count(flow) for flow in FLOWS), first[1], last[1])
 
 
 def _redistribute_formula(results) -> tuple:
-    rows, cols, world = 8, 3, 4  # x [8, 4] Shard(1) @ w [4, 3] Shard(0) on the 4-rank mesh: an 8 x 3 Partial
-    return 0, 0, 1, rows // world * cols * 4
+    cols, world = 3, 4  # x [8, 4] Shard(1) @ w [4, 3] Shard(0) on the 4-rank mesh: an 8 x 3 Partial
+    pieces = chunk_sizes(cols, world)  # torch.chunk's columns per rank: 1, 1, 1, 0
+    return 0, 0, 1, pieces[0], pieces[-1]
 
 
 def _mlp_bytes_measured(results, ledgers) -> int:
@@ -53,15 +57,15 @@ def _memory_2d_formula(results) -> int:
 PREDICTIONS: dict[str, Prediction] = {
     "06.redistribute": Prediction(
         id="06.redistribute",
-        question="Partial() -> Shard(0) of the 8 x 3 product on 4 ranks: (all-reduces, all-gathers, "
-                 "reduce-scatters, bytes of each rank's piece)",
-        needs="dtensor",
+        question="Partial() -> Shard(1) of the 8 x 3 product on 4 ranks: (all-reduces, all-gathers, "
+                 "reduce-scatters, columns rank 0 holds, columns rank 3 holds)",
+        needs="partial",
         measure=_redistribute_measured,
         formula=_redistribute_formula,
-        explanation=("each rank holds an 8 x 3 term; the target is the sum, cut into 4 pieces of 2 rows. A "
-                     "reduce-scatter does exactly that in one collective: each rank receives the sum of its own "
-                     "2 rows only, 2 x 3 float32 = 24 bytes. An all-reduce then a local cut would give the same "
-                     "numbers with every rank holding the whole sum on the way."),
+        explanation=("each rank holds an 8 x 3 term; the target is the sum, cut by columns as torch.chunk cuts "
+                     "3 columns in 4: 1, 1, 1 and nothing. One reduce-scatter does it (each rank receives the sum "
+                     "of its own piece only): DTensor pads the input to 4 columns so that the pieces are equal, "
+                     "and the last rank's piece is 8 x 0: rank 0 holds 1 column, rank 3 none."),
     ),
     "06.tp_mlp_bytes": Prediction(
         id="06.tp_mlp_bytes",

@@ -1,0 +1,162 @@
+"""06.sp_mlp: sequence parallelism's operators by hand around Megatron's MLP.
+
+Each rank holds its rows of the sequence; the MLP's input is all-gathered (backward: reduce-scattered), its
+row-parallel output reduce-scattered (backward: all-gathered), and down's bias, applied to this rank's rows
+only, has a gradient that is a term until the ranks' terms are summed (all-reduced). Judged against one
+process: the output rows, the rows' gradient, each parameter's gradient; from the ledger, which collective
+ran in forward and in backward, in order. The usual mistakes are named: an all-reduce in place of the
+reduce-scatter, the all-gather's backward that only slices, the bias gradient left a term.
+"""
+
+from __future__ import annotations
+
+from ...compare import each_result, first_difference
+from ...spec import Exercise, Item, RunOutcome, RunSpec
+from .common import ATOL, MLP_DIM, MLP_HIDDEN, RTOL, draw_batch, flows, mlp_weights, not_a_module, where
+
+__all__ = ["SP_MLP"]
+
+ROWS = 8  # the sequence: 4 rows per rank on 2 ranks, 2 on 4
+ALLOWED = frozenset({"all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+                     "reduce_scatter_tensor", "reduce_scatter_single", "all_reduce"})
+
+HINTS = (
+    "Reread lesson 06, section 4 'Sequence parallelism' (the SP block, and what backward mirrors) and section 3's "
+    "f and g, which you now write for other collectives.",
+    "torch.autograd.Function, dist.all_gather_into_tensor and dist.reduce_scatter_tensor (and dist.all_reduce).",
+    "One function gathers the ranks' rows going forward and, coming back, keeps only this rank's rows of the "
+    "summed gradient; one sums the ranks' terms and keeps this rank's rows going forward and gathers the rows' "
+    "gradient coming back. down's bias is added to this rank's rows only, so its gradient covers those rows: "
+    "sum it over the ranks.",
+)
+
+
+def _case(n: int, seed: int) -> dict[int, tuple]:
+    weights = mlp_weights(seed)
+    sequence, _ = draw_batch(ROWS, MLP_DIM, 1, seed + 100)
+    rows = ROWS // n
+    return {r: (weights, sequence[r * rows:(r + 1) * rows]) for r in range(n)}
+
+
+def _reference(outcome: RunOutcome, case: int) -> dict:
+    import torch
+
+    from .drivers import mlp_from_weights
+
+    inputs = outcome.inputs[case]
+    mlp = mlp_from_weights(inputs[0][0])
+    x = torch.cat([inputs[r][1] for r in sorted(inputs)]).requires_grad_()
+    out = mlp(x)
+    out.sum().backward()
+    return {"out": out.detach(), "x.grad": x.grad, **{n: p.grad for n, p in mlp.named_parameters()}}
+
+
+def _mine(rank: int, n: int) -> tuple[slice, slice]:
+    """This rank's rows of the sequence and its hidden units."""
+    rows, h = ROWS // n, MLP_HIDDEN // n
+    return slice(rank * rows, (rank + 1) * rows), slice(rank * h, (rank + 1) * h)
+
+
+def _held(outcome: RunOutcome) -> list[str]:
+    problem = not_a_module(outcome)
+    if problem:
+        return problem
+    h = MLP_HIDDEN // outcome.nproc
+    expected = {"up_weight": [h, MLP_DIM], "up_bias": [h], "down_weight": [MLP_DIM, h], "down_bias": [MLP_DIM]}
+    for case, rank, result in each_result(outcome):
+        got = result.output["params"]
+        if got != expected:
+            shown = ", ".join(f"{k} {v}" for k, v in got.items()) or "none"
+            return [f"{where(rank, case, outcome)}: SPMLP holds the parameters {shown}; expected exactly "
+                    + ", ".join(f"{k} {v}" for k, v in expected.items())
+                    + f": this rank's {h} of the {MLP_HIDDEN} hidden units (up's rows, down's columns) and down's "
+                    "whole bias"]
+    return []
+
+
+def _output(outcome: RunOutcome) -> list[str]:
+    problem = _held(outcome)
+    if problem:
+        return problem
+    for case, rank, result in each_result(outcome):
+        rows, _ = _mine(rank, outcome.nproc)
+        want = _reference(outcome, case)["out"][rows]
+        wrong = first_difference(result.output["out"], want, rtol=RTOL, atol=ATOL)
+        if wrong:
+            hint = ""
+            if list(result.output["out"].shape) == [ROWS, MLP_DIM]:
+                hint = ": that is the whole sequence; return this rank's rows only (the reduce-scatter keeps them)"
+            return [f"{where(rank, case, outcome)}: the output (this rank's rows {rows.start} to {rows.stop - 1}) "
+                    f"{wrong}{hint}"]
+    return []
+
+
+def _grads(outcome: RunOutcome) -> list[str]:
+    problem = _held(outcome)
+    if problem:
+        return problem
+    n = outcome.nproc
+    for case, rank, result in each_result(outcome):
+        ref, (rows, units) = _reference(outcome, case), _mine(rank, n)
+        at = where(rank, case, outcome)
+        wrong = first_difference(result.output["x.grad"], ref["x.grad"][rows], rtol=RTOL, atol=ATOL,
+                                 what=f"the input rows on rank {rank}")
+        if wrong:
+            hint = ""
+            if result.output["x.grad"] is not None and "reduce_scatter" not in flows(result, result.output["backward"]):
+                hint = (": backward reduce-scattered nothing: every rank's hidden units used these rows, so their "
+                        "gradient is the sum of the ranks' terms; the all-gather's backward reduce-scatters")
+            return [f"{at}: the gradient of the input rows {wrong}{hint}"]
+        parts = {"up_weight": ("0.weight", (units,)), "up_bias": ("0.bias", (units,)),
+                 "down_weight": ("2.weight", (slice(None), units)), "down_bias": ("2.bias", ())}
+        for name, (full, index) in parts.items():
+            got = result.output["grads"].get(name)
+            wrong = first_difference(got, ref[full][index], rtol=RTOL, atol=ATOL, what=f"{name} on rank {rank}")
+            if wrong:
+                hint = ""
+                if name == "down_bias" and got is not None and "all_reduce" not in flows(result,
+                                                                                        result.output["backward"]):
+                    hint = (": the bias was added to this rank's rows only, so its gradient is this rank's term; "
+                            "the ranks' terms must be summed (an all-reduce), as the lesson's norm weights' Partial")
+                return [f"{at}: the gradient of {name} (this rank's part of {full}) {wrong}{hint}"]
+    return []
+
+
+def _ledger(outcome: RunOutcome) -> list[str]:
+    problem = _held(outcome)
+    if problem:
+        return problem
+    for case, rank, result in each_result(outcome):
+        forward, backward = (flows(result, result.output[phase]) for phase in ("forward", "backward"))
+        at = where(rank, case, outcome)
+        if forward != ["all_gather", "reduce_scatter"]:
+            why = ""
+            if "all_reduce" in forward:
+                why = (": an all-reduce in forward sums the whole sequence on every rank; SP's exit is a "
+                       "reduce-scatter, so that each rank receives the sum of its own rows only")
+            return [f"{at}: forward called {forward or 'nothing'}, expected exactly ['all_gather', "
+                    f"'reduce_scatter']: the rows gathered before up, the row-parallel terms reduce-scattered after "
+                    f"down{why}"]
+        core = [flow for flow in backward if flow != "all_reduce"]
+        if core != ["all_gather", "reduce_scatter"] or backward.count("all_reduce") > 1:
+            return [f"{at}: backward called {backward or 'nothing'}, expected the mirror of forward: an all-gather "
+                    "of the output rows' gradient (the reduce-scatter's backward), then a reduce-scatter of the "
+                    "input's gradient (the all-gather's backward), and one all-reduce for down's bias"]
+    return []
+
+
+SP_MLP = Exercise(
+    id="06.sp_mlp",
+    hints=HINTS,
+    function="SPMLP",
+    signature="SPMLP(up: nn.Linear, down: nn.Linear) -> nn.Module",
+    driver="sp_mlp",
+    allowed_ops=ALLOWED,
+    runs=tuple(
+        RunSpec(n, (lambda n, s=seed: [_case(n, s)]),
+                (Item(f"output rows equal one process ({n} ranks)", 1, _output),
+                 Item(f"gradients of the rows and of each shard equal one process ({n} ranks)", 1, _grads),
+                 Item(f"all-gather then reduce-scatter in forward, mirrored in backward ({n} ranks)", 1, _ledger)),
+                timeout_s=15)
+        for n, seed in ((2, 61), (4, 62))),
+)

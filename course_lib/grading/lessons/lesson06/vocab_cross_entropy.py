@@ -1,0 +1,133 @@
+"""06.vocab_cross_entropy: the cross-entropy of vocabulary-sharded logits by hand (what loss_parallel does).
+
+Each rank holds its columns of the logits; the loss needs the row's max (an all-reduce with MAX, no gradient),
+the sum of exponentials (an all-reduce of each rank's partial sum) and the target's logit (masked on the
+ranks that do not hold it, then an all-reduce). Judged against one process's F.cross_entropy: the loss on every
+rank, each rank's columns of the logits' gradient, with one case of large logits (exp overflows float32
+without the max); from the ledger, three all-reduces in forward and none in backward. The usual mistakes are
+named: a local max, no max, the target not masked, the backward summing again.
+"""
+
+from __future__ import annotations
+
+from ...compare import each_result, first_difference
+from ...spec import Exercise, Item, RunOutcome, RunSpec
+from .common import ATOL, RTOL, flows, where
+
+__all__ = ["VOCAB_CROSS_ENTROPY"]
+
+VOCAB, ROWS = 16, 6  # 8 columns per rank on 2 ranks, 4 on 4
+
+HINTS = (
+    "Reread lesson 06, section 4: what `loss_parallel` computes on `Shard(-1)` logits, and section 3's g.",
+    "dist.all_reduce with op=dist.ReduceOp.MAX and with the default sum; Tensor.detach, torch.gather, a boolean "
+    "mask; an autograd function whose backward passes the gradient through.",
+    "loss = log(sum of exp(logit - max)) - (target's logit - max), averaged over rows. The max over the whole row "
+    "is a constant shift (no gradient); each rank adds up exp over its own columns and the ranks' sums are "
+    "summed; only the rank whose columns hold the target has its logit, the others contribute zero to a sum. "
+    "Every rank then holds the same loss, so backward sums nothing.",
+)
+
+
+def _case(n: int, seed: int, shift: float) -> dict[int, tuple]:
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(ROWS, VOCAB, generator=generator) * 3 + shift
+    targets = torch.randint(0, VOCAB, (ROWS,), generator=generator)
+    targets[:2] = torch.tensor([0, VOCAB - 1])  # the first and last columns, always
+    per = VOCAB // n
+    return {r: (logits[:, r * per:(r + 1) * per].clone(), targets) for r in range(n)}
+
+
+def _reference(outcome: RunOutcome, case: int) -> dict:
+    import torch
+
+    inputs = outcome.inputs[case]
+    logits = torch.cat([inputs[r][0] for r in sorted(inputs)], dim=1).requires_grad_()
+    loss = torch.nn.functional.cross_entropy(logits, inputs[0][1])
+    loss.backward()
+    return {"loss": loss.detach(), "grad": logits.grad}
+
+
+def _label(outcome: RunOutcome, case: int) -> str:
+    big = float(outcome.inputs[case][0][0].mean()) > 50
+    return f"{'large logits, about 100: exp overflows float32 without the max; ' if big else ''}"
+
+
+def _loss(outcome: RunOutcome) -> list[str]:
+    import torch
+
+    for case, rank, result in each_result(outcome):
+        at = where(rank, case, outcome)
+        if "returned" in result.output:
+            return [f"{at}: got a {result.output['returned']}, expected the loss, a tensor"]
+        want = _reference(outcome, case)["loss"]
+        got = result.output["loss"]
+        wrong = first_difference(got.reshape(()) if got.numel() == 1 else got, want, rtol=RTOL, atol=ATOL)
+        if wrong:
+            hint = ""
+            if not torch.isfinite(got).all():
+                hint = ("; not finite: exp of a large logit overflows; subtract the row's max over the whole "
+                        "vocabulary first")
+            elif flows(result, result.output["forward"]).count("all_reduce") < 3:
+                hint = ("; forward all-reduced fewer than 3 times: the max, the sum of exponentials and the target's "
+                        "logit each need the whole row")
+            else:
+                hint = ("; is the max the whole row's (ReduceOp.MAX), and does only the rank holding the target's "
+                        "column contribute its logit (the others masked to zero)?")
+            return [f"{at}: {_label(outcome, case)}the loss {wrong}{hint}"]
+    return []
+
+
+def _grads(outcome: RunOutcome) -> list[str]:
+    import torch
+
+    n = outcome.nproc
+    for case, rank, result in each_result(outcome):
+        at = where(rank, case, outcome)
+        if "returned" in result.output:
+            return [f"{at}: got a {result.output['returned']}, expected the loss, a tensor"]
+        per = VOCAB // n
+        want = _reference(outcome, case)["grad"][:, rank * per:(rank + 1) * per]
+        got = result.output["logits.grad"]
+        wrong = first_difference(got, want, rtol=RTOL, atol=ATOL, what=f"the logits on rank {rank}")
+        if wrong:
+            hint = ""
+            if isinstance(got, torch.Tensor) and torch.allclose(got, want * n, rtol=RTOL, atol=ATOL):
+                hint = (f": {n} times too large: backward summed the ranks' gradients; every rank computes the same "
+                        "loss, so each rank's columns already get their whole gradient")
+            elif isinstance(got, torch.Tensor) and "all_reduce" in flows(result, result.output["backward"]):
+                hint = ": backward all-reduced; every rank holds the same loss, so its backward sums nothing"
+            return [f"{at}: {_label(outcome, case)}the gradient of this rank's columns {rank * per} to "
+                    f"{(rank + 1) * per - 1} {wrong}{hint}"]
+    return []
+
+
+def _ledger(outcome: RunOutcome) -> list[str]:
+    for case, rank, result in each_result(outcome):
+        at = where(rank, case, outcome)
+        if "returned" in result.output:
+            return [f"{at}: got a {result.output['returned']}, expected the loss, a tensor"]
+        forward, backward = (flows(result, result.output[phase]) for phase in ("forward", "backward"))
+        if (forward, backward) != (["all_reduce"] * 3, []):
+            return [f"{at}: forward called {forward or 'nothing'} and backward {backward or 'nothing'}, expected "
+                    "three all-reduces in forward (the max, the sum of exponentials, the target's logit), none in "
+                    "backward"]
+    return []
+
+
+VOCAB_CROSS_ENTROPY = Exercise(
+    id="06.vocab_cross_entropy",
+    hints=HINTS,
+    function="vocab_parallel_cross_entropy",
+    signature="vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor",
+    driver="vocab_cross_entropy",
+    allowed_ops=frozenset({"all_reduce"}),
+    runs=tuple(
+        RunSpec(n, (lambda n, s=seed: [_case(n, s, 0.0), _case(n, s + 1, 100.0)]),
+                (Item(f"the loss equals one process on every rank ({n} ranks)", 1, _loss),
+                 Item(f"each rank's columns of the logits' gradient equal one process ({n} ranks)", 1, _grads),
+                 Item(f"three all-reduces in forward, none in backward ({n} ranks)", 1, _ledger)), timeout_s=15)
+        for n, seed in ((2, 81), (4, 82))),
+)

@@ -1,0 +1,143 @@
+"""06.vocab_embedding: a vocabulary-parallel embedding by hand (what RowwiseParallel does to an nn.Embedding).
+
+Each rank holds its rows of the [vocab, dim] weight; a token outside them gives a zero row, and one all-reduce
+sums the ranks' rows into every token's embedding (backward: the identity). Judged against one process: the
+output on every rank, each rank's rows of the weight's gradient; from the ledger, one all-reduce in forward and
+none in backward. The usual mistakes are named: tokens not masked (another rank's token read from this rank's
+rows), the all-reduce's backward summing again.
+"""
+
+from __future__ import annotations
+
+from ...compare import each_result, first_difference
+from ...spec import Exercise, Item, RunOutcome, RunSpec
+from .common import ATOL, RTOL, flows, not_a_module, where
+
+__all__ = ["VOCAB_EMBEDDING"]
+
+VOCAB, DIM = 16, 4  # 8 rows per rank on 2 ranks, 4 on 4
+
+HINTS = (
+    "Reread lesson 06, section 4: the embedding `RowwiseParallel(input_layouts=Replicate())`, and section 3's g.",
+    "torch.nn.functional.embedding, a boolean mask of the tokens in this rank's range, and dist.all_reduce (in an "
+    "autograd function whose backward passes the gradient through).",
+    "Keep this rank's rows of the weight; look up only the tokens in this rank's range (shifted to local row "
+    "numbers), give the others a zero row, and sum the ranks' results once; every rank's gradient of its rows "
+    "comes from its own tokens, so backward sums nothing.",
+)
+
+
+def _case(n: int, seed: int) -> dict[int, tuple]:
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(VOCAB, DIM, generator=generator)
+    tokens = torch.randint(0, VOCAB, (2, 6), generator=generator)
+    tokens[0, :2] = torch.tensor([0, VOCAB - 1])  # the first and last rows of the vocabulary, always
+    return {r: (weight, tokens) for r in range(n)}
+
+
+def _reference(weight, tokens) -> dict:
+    import torch
+
+    from .drivers import ramp
+
+    embedding = torch.nn.Embedding(VOCAB, DIM)
+    with torch.no_grad():
+        embedding.weight.copy_(weight)
+    out = embedding(tokens)
+    (out * ramp(out)).sum().backward()
+    return {"out": out.detach(), "weight": embedding.weight.grad}
+
+
+def _rows(rank: int, n: int) -> slice:
+    per = VOCAB // n
+    return slice(rank * per, (rank + 1) * per)
+
+
+def _held(outcome: RunOutcome) -> list[str]:
+    problem = not_a_module(outcome)
+    if problem:
+        return problem
+    per = VOCAB // outcome.nproc
+    for case, rank, result in each_result(outcome):
+        if result.output["params"] != {"weight": [per, DIM]}:
+            shown = ", ".join(f"{k} {v}" for k, v in result.output["params"].items()) or "none"
+            return [f"{where(rank, case, outcome)}: VocabEmbedding holds {shown}; expected exactly weight "
+                    f"[{per}, {DIM}]: this rank's {per} of the {VOCAB} rows of the vocabulary"]
+    return []
+
+
+def _output(outcome: RunOutcome) -> list[str]:
+    import torch
+
+    problem = _held(outcome)
+    if problem:
+        return problem
+    for case, rank, result in each_result(outcome):
+        weight, tokens = outcome.inputs[case][rank]
+        want = _reference(weight, tokens)["out"]
+        got = result.output["out"]
+        wrong = first_difference(got, want, rtol=RTOL, atol=ATOL)
+        if wrong:
+            hint = ""
+            if isinstance(got, torch.Tensor) and got.shape == want.shape:
+                if "all_reduce" not in flows(result, result.output["forward"]):
+                    hint = ": forward summed nothing, so each token has only the rank that holds its row's term"
+                else:
+                    hint = (": a token outside this rank's rows must give a zero row (mask it), or the sum adds "
+                            "rows that belong to other tokens")
+            return [f"{where(rank, case, outcome)}: the output {wrong}{hint}"]
+    return []
+
+
+def _grads(outcome: RunOutcome) -> list[str]:
+    import torch
+
+    problem = _held(outcome)
+    if problem:
+        return problem
+    n = outcome.nproc
+    for case, rank, result in each_result(outcome):
+        weight, tokens = outcome.inputs[case][rank]
+        want = _reference(weight, tokens)["weight"][_rows(rank, n)]
+        got = result.output["grads"]["weight"]
+        wrong = first_difference(got, want, rtol=RTOL, atol=ATOL, what=f"weight on rank {rank}")
+        if wrong:
+            hint = ""
+            if isinstance(got, torch.Tensor) and torch.allclose(got, want * n, rtol=RTOL, atol=ATOL):
+                hint = (f": {n} times too large: backward summed the ranks' gradients again; each rank's rows get "
+                        "their gradient from the whole output's gradient, which every rank already holds")
+            rows = _rows(rank, n)
+            return [f"{where(rank, case, outcome)}: the gradient of this rank's rows {rows.start} to {rows.stop - 1} "
+                    f"of the weight {wrong}{hint}"]
+    return []
+
+
+def _ledger(outcome: RunOutcome) -> list[str]:
+    problem = _held(outcome)
+    if problem:
+        return problem
+    for case, rank, result in each_result(outcome):
+        forward, backward = (flows(result, result.output[phase]) for phase in ("forward", "backward"))
+        if (forward, backward) != (["all_reduce"], []):
+            return [f"{where(rank, case, outcome)}: forward called {forward or 'nothing'} and backward "
+                    f"{backward or 'nothing'}, expected one all-reduce in forward (after the masked lookup, summing "
+                    "the ranks' rows) and nothing in backward"]
+    return []
+
+
+VOCAB_EMBEDDING = Exercise(
+    id="06.vocab_embedding",
+    hints=HINTS,
+    function="VocabEmbedding",
+    signature="VocabEmbedding(embedding: nn.Embedding) -> nn.Module",
+    driver="vocab_embedding",
+    allowed_ops=frozenset({"all_reduce"}),
+    runs=tuple(
+        RunSpec(n, (lambda n, s=seed: [_case(n, s)]),
+                (Item(f"output equals one process on every rank ({n} ranks)", 1, _output),
+                 Item(f"each rank's rows of the weight's gradient equal one process ({n} ranks)", 1, _grads),
+                 Item(f"one all-reduce in forward, none in backward ({n} ranks)", 1, _ledger)), timeout_s=15)
+        for n, seed in ((2, 71), (4, 72))),
+)
