@@ -13,8 +13,8 @@ import torch
 
 from ...drivers import describe, rank_device
 
-__all__ = ["fsdp2_accumulation", "fsdp2_hsdp", "fsdp2_meta_init", "fsdp2_shard", "placements_of", "toy_from_weights",
-           "two_layers", "zero3_linear"]
+__all__ = ["buffered_model", "fsdp2_accumulation", "fsdp2_hsdp", "fsdp2_meta_init", "fsdp2_shard", "placements_of",
+           "tied_model", "toy_from_weights", "two_layers", "zero3_linear"]
 
 
 def toy_from_weights(sizes: dict, weights: dict) -> torch.nn.Module:
@@ -96,8 +96,8 @@ def _explained_sharding_error(exc: Exception, model: torch.nn.Module) -> Excepti
         return RuntimeError(
             f"{said}: fully_shard(model) ran before fully_shard on the Blocks. The root's call already made every "
             "parameter below it, the Blocks' too, a DTensor of the root's group; fully_shard on a Block then takes "
-            "those DTensors for tensor-parallel ones and fails. Shard bottom up: each Block first, the root last "
-            "(it keeps only the parameters no Block took)")
+            "those DTensors for tensor-parallel ones and fails. Shard bottom up: the root last "
+            "(it keeps only the parameters no group below took)")
     mesh = _mesh_in(exc.__traceback__)
     if mesh is not None and dist.is_initialized():
         ranks = mesh.mesh.flatten().tolist()
@@ -110,26 +110,61 @@ def _explained_sharding_error(exc: Exception, model: torch.nn.Module) -> Excepti
     return None
 
 
+def tied_model(sizes: dict) -> torch.nn.Module:
+    """05.shard_bottom_up's model: embed = Embedding(vocab, dim); stages, a ModuleList of Sequentials of
+    Block(dim, hidden) (`sizes["stages"]` Blocks each); norm = LayerNorm(dim); head = Linear(dim, vocab,
+    bias=False) whose weight IS embed.weight (tied). (batch,) token ids -> (batch, vocab)."""
+    from ....models import Block
+
+    class TiedModel(torch.nn.Module):
+        def __init__(self, vocab: int, dim: int, hidden: int, stages: list):
+            super().__init__()
+            self.embed = torch.nn.Embedding(vocab, dim)
+            self.stages = torch.nn.ModuleList(torch.nn.Sequential(*(Block(dim, hidden) for _ in range(count)))
+                                              for count in stages)
+            self.norm = torch.nn.LayerNorm(dim)
+            self.head = torch.nn.Linear(dim, vocab, bias=False)
+            self.head.weight = self.embed.weight  # one Parameter, two modules
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            x = self.embed(tokens)
+            for stage in self.stages:
+                x = stage(x)
+            return self.head(self.norm(x))
+
+    return TiedModel(**sizes)
+
+
 def fsdp2_shard(fn: Callable, sizes: dict, weights: dict, inputs: torch.Tensor, targets: torch.Tensor,
                 lr: float) -> dict:
-    """fn(model) applies fully_shard to ToyModel(**sizes) holding `weights`; then one SGD(lr) step on this rank's
-    rows. Send back the modules that are FSDP modules, every parameter's type and placements, when the forward
-    ran (to find its all-gathers in the ledger) and this rank's rows of each parameter after the step."""
+    """fn(model) applies fully_shard to tied_model(sizes) holding `weights`; then one SGD(lr) step on this rank's
+    rows. Send back the modules that are FSDP modules, which of them share one FSDP state (a group made by one
+    fully_shard call), whether the tie survived, every parameter's type and placements, when the forward ran (to
+    find its all-gathers in the ledger) and this rank's rows of each parameter after the step."""
     import time
 
     from torch.distributed.fsdp import FSDPModule
 
     device = rank_device()
-    model = toy_from_weights(sizes, weights).to(device)
+    model = tied_model(sizes)
+    model.load_state_dict(weights)
+    model = model.to(device)
     inputs, targets = inputs.to(device), targets.to(device)
     try:
         returned = fn(model)
     except Exception as exc:
-        explained = _explained_sharding_error(exc, model)
-        if explained is None:
-            raise
-        raise explained from exc
-    units = [name for name, module in model.named_modules() if isinstance(module, FSDPModule)]
+        if "shared with a parameter already managed by another FSDP group" not in str(exc):
+            explained = _explained_sharding_error(exc, model)
+            if explained is None:
+                raise
+            raise explained from exc
+        raise RuntimeError(
+            f"{str(exc).splitlines()[0][:120]}...: embed and head hold one Parameter; sharding either alone puts it "
+            "in that module's group, and the other module's call finds it taken. The pair must be sharded by one "
+            "call, together") from exc
+    named = [(name, module) for name, module in model.named_modules() if isinstance(module, FSDPModule)]
+    states = [id(module._get_fsdp_state()) for _, module in named]
+    groups = [[name for (name, _), state in zip(named, states) if state == key] for key in dict.fromkeys(states)]
     described = placements_of(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     started = time.monotonic()
@@ -137,8 +172,8 @@ def fsdp2_shard(fn: Callable, sizes: dict, weights: dict, inputs: torch.Tensor, 
     forward = [started, time.monotonic()]
     torch.nn.functional.mse_loss(outputs, targets).backward()
     optimizer.step()
-    return {"units": units, "params": described, "forward": forward, "shards": _local_shards(model),
-            "returned": describe(returned)}
+    return {"units": [name for name, _ in named], "groups": groups, "tied": model.head.weight is model.embed.weight,
+            "params": described, "forward": forward, "shards": _local_shards(model), "returned": describe(returned)}
 
 
 def two_layers(features: int, hidden: int, out: int) -> torch.nn.Module:
@@ -295,9 +330,15 @@ def fsdp2_accumulation(fn: Callable, sizes: dict, weights: dict, micro_batches: 
     model.register_forward_pre_hook(lambda module, args: starts.append(time.monotonic()), prepend=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     returned = fn(model, optimizer, [tuple(t.to(device) for t in pair) for pair in micro_batches])
+    # A group left unsharded has its whole parameters registered on the module, plain tensors, not DTensors.
+    from torch.distributed.tensor import DTensor
+
+    gathered = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
     # The statement asks for the gradients zeroed after the step: None, or all zeros.
-    kept = [name for name, p in model.named_parameters() if p.grad is not None and bool(p.grad.to_local().any())]
-    return {"shards": _local_shards(model), "starts": starts, "returned": describe(returned), "grads_kept": kept}
+    kept = [name for name, p in model.named_parameters() if p.grad is not None and bool(
+        (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).any())]
+    return {"shards": _local_shards(model), "starts": starts, "returned": describe(returned), "grads_kept": kept,
+            "gathered": gathered}
 
 
 def fsdp2_meta_init(fn: Callable, sizes: dict, full_state: dict, seed: int) -> dict:
