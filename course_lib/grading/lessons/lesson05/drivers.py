@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from ...drivers import describe, rank_device
+from ...drivers import describe, rank_device, refused
 
 __all__ = ["buffered_model", "fsdp2_accumulation", "fsdp2_hsdp", "fsdp2_meta_init", "fsdp2_shard", "placements_of",
            "tied_model", "toy_from_weights", "two_layers", "zero3_linear"]
@@ -341,22 +341,60 @@ def fsdp2_accumulation(fn: Callable, sizes: dict, weights: dict, micro_batches: 
             "gathered": gathered}
 
 
-def fsdp2_meta_init(fn: Callable, sizes: dict, full_state: dict, seed: int) -> dict:
-    """fn(build, full_state) builds ToyModel(**sizes) with `build()`, shards it and fills it from rank 0's
-    `full_state` ({} on the other ranks); every rank's random state is seeded with `seed` first, as a training
-    script would. Send back the device build() made its parameters on, and the returned model's parameters."""
-    from ....models import ToyModel
+def buffered_model(sizes: dict) -> torch.nn.Module:
+    """05.meta_init_broadcast's model: scale (a Scale(dim): x * freq + shift), `layers` Blocks (`blocks`), head
+    Linear(dim, out). `scale.freq` = FREQ_BASE ** (-arange(dim) / dim), a buffer outside the state dict
+    (persistent=False, computed in __init__); `scale.shift`, a buffer in it. (batch, dim) -> (batch, out)."""
+    from ....models import Block
 
+    class Scale(torch.nn.Module):
+        def __init__(self, dim: int):
+            super().__init__()
+            self.register_buffer("freq", FREQ_BASE ** (-torch.arange(dim, dtype=torch.float32) / dim),
+                                 persistent=False)
+            self.register_buffer("shift", torch.zeros(dim))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.freq + self.shift
+
+    class BufferedModel(torch.nn.Module):
+        def __init__(self, dim: int, hidden: int, layers: int, out: int):
+            super().__init__()
+            self.scale = Scale(dim)
+            self.blocks = torch.nn.ModuleList(Block(dim, hidden) for _ in range(layers))
+            self.head = torch.nn.Linear(dim, out)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.scale(x)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    return BufferedModel(**sizes)
+
+
+FREQ_BASE = 100.0  # scale.freq's base
+# What 05.meta_init_broadcast asks the learner to build: the distributed state dict's loaders, refused while it runs.
+_LOADERS = tuple(("torch.distributed.checkpoint.state_dict", name, name) for name in
+                 ("set_model_state_dict", "set_state_dict"))
+
+
+def fsdp2_meta_init(fn: Callable, sizes: dict, full_state: dict, seed: int, inputs: torch.Tensor) -> dict:
+    """fn(build, full_state) builds buffered_model(sizes) with `build()`, shards it and fills it from rank 0's
+    `full_state` ({} on the other ranks); every rank's random state is seeded with `seed` first, as a training
+    script would. Send back the device build() made its parameters on, the returned model's parameters, its
+    buffers and its output on `inputs`."""
     built_on: list[str] = []
 
     def build() -> torch.nn.Module:
-        model = ToyModel(**sizes)
+        model = buffered_model(sizes)
         built_on.append(next(model.parameters()).device.type)
         return model
 
     torch.manual_seed(seed)
     try:
-        model = fn(build, {name: value.clone() for name, value in full_state.items()})
+        with refused(*_LOADERS):
+            model = fn(build, {name: value.clone() for name, value in full_state.items()})
     except RuntimeError as exc:
         # torch's words on a rank given {} without broadcast_from_rank0 name neither the rank's role nor the option.
         if "state_dict is empty" not in str(exc):
@@ -366,4 +404,9 @@ def fsdp2_meta_init(fn: Callable, sizes: dict, full_state: dict, seed: int) -> d
                            "broadcast each tensor, and every rank keeps its own rows of it") from exc
     if not isinstance(model, torch.nn.Module):
         return {"built_on": built_on, "returned": describe(model)}
-    return {"built_on": built_on, "params": placements_of(model), "shards": _local_shards(model)}
+    described, shards = placements_of(model), _local_shards(model)  # before the forward: the root stays gathered
+    buffers = {name: b.detach().cpu().clone() for name, b in model.named_buffers()}
+    with torch.no_grad():
+        outputs = model(inputs.to(rank_device())).detach().cpu().clone() if all(
+            b.device.type != "meta" for b in model.buffers()) else None
+    return {"built_on": built_on, "params": described, "shards": shards, "buffers": buffers, "outputs": outputs}
