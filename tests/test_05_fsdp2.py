@@ -138,7 +138,7 @@ def test_the_forward_all_gathers_judged_are_theorys(n, sizes):
     steps = theory.fsdp2_step_collectives(units, n)
     forward = steps[:len(units)]
     assert [canonical_op(op) for op, _ in forward] == ["all_gather_single"] * len(units)
-    assert [nbytes for _, nbytes in forward] == [4 * root, 4 * pair] + [4 * block] * sum(sizes["stages"])
+    assert sorted(nbytes for _, nbytes in forward) == sorted([4 * root, 4 * pair] + [4 * block] * sum(sizes["stages"]))
 
 
 def test_the_exercises_fork_their_ranks_with_fsdp_imported(ranks):
@@ -381,8 +381,9 @@ def test_wrong_answer_loses_the_right_points_and_says_why(exercise_id, source, l
 HANGS = [
     # The first tensor's broadcast on rank 0 only: the others never call it.
     pytest.param(META, answers.META_LOAD_ON_RANK_0, [
-        "rank 0 is still in your function: it is waiting in broadcast #1",
-        "rank 1 finished your function and waits in the checker's barrier (world group)"], id="load-on-rank-0-only"),
+        "rank 0 is still in your function: it is waiting in broadcast #1 (416 B, world group)",
+        "rank 1 finished your function and waits in the checker's all_gather_single (world group)"],
+        id="load-on-rank-0-only"),
 ]
 
 
