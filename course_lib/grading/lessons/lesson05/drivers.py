@@ -153,22 +153,27 @@ def fsdp2_shard(fn: Callable, sizes: dict, weights: dict, inputs: torch.Tensor, 
     try:
         returned = fn(model)
     except Exception as exc:
-        if "shared with a parameter already managed by another FSDP group" not in str(exc):
-            explained = _explained_sharding_error(exc, model)
-            if explained is None:
-                raise
-            raise explained from exc
-        raise RuntimeError(
-            f"{str(exc).splitlines()[0][:120]}...: embed and head hold one Parameter; sharding either alone puts it "
-            "in that module's group, and the other module's call finds it taken. The pair must be sharded by one "
-            "call, together") from exc
+        explained = _explained_sharding_error(exc, model)
+        if explained is None:
+            raise
+        raise explained from exc
     named = [(name, module) for name, module in model.named_modules() if isinstance(module, FSDPModule)]
     states = [id(module._get_fsdp_state()) for _, module in named]
     groups = [[name for (name, _), state in zip(named, states) if state == key] for key in dict.fromkeys(states)]
     described = placements_of(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     started = time.monotonic()
-    outputs = model(inputs)
+    try:
+        outputs = model(inputs)
+    except ValueError as exc:
+        # torch checks for a Parameter held by two groups in the root's lazy init, i.e. at the first forward,
+        # not in fully_shard: embed and head sharded one after the other fail here
+        if "already managed by another FSDP group" not in str(exc):
+            raise
+        raise RuntimeError(
+            f"{str(exc).split('. ')[0]}: embed and head hold one Parameter; fully_shard(model.embed) put it in "
+            "embed's group and fully_shard(model.head) made a second group holding it too (torch finds that at the "
+            "first forward). Shard the tied pair by one call, together") from exc
     forward = [started, time.monotonic()]
     torch.nn.functional.mse_loss(outputs, targets).backward()
     optimizer.step()
