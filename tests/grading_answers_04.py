@@ -2,10 +2,7 @@
 plausible wrong answers, each of which must lose exactly the points its mistake deserves."""
 
 POLICY_SOLUTION = '''%%exercise 04.wrap_policy
-import torch
 from course_lib.models import Block
-
-MIN_NUMEL = 1000
 
 
 def policy(module, recurse, nonwrapped_numel) -> bool:
@@ -13,18 +10,29 @@ def policy(module, recurse, nonwrapped_numel) -> bool:
         return True
     if isinstance(module, Block):
         return True
-    return isinstance(module, torch.nn.Linear) and nonwrapped_numel >= MIN_NUMEL
+    own = list(module.parameters(recurse=False))
+    return nonwrapped_numel > 0 and len(own) > 0 and not any(p.requires_grad for p in own)
 '''
+
+# The lesson's ModuleWrapPolicy({Block}) written by hand: the root's unit mixes the frozen embedding with the head.
+POLICY_BLOCKS_ONLY = POLICY_SOLUTION.replace(
+    "    own = list(module.parameters(recurse=False))\n"
+    "    return nonwrapped_numel > 0 and len(own) > 0 and not any(p.requires_grad for p in own)\n",
+    "    return False\n")
+
+# "Every parameter below it frozen", with no check that anything is left: a ReLU (no parameters) and embed (whose
+# children are units already, their FlatParameters frozen) become units of nothing.
+POLICY_ALL_FROZEN = POLICY_SOLUTION.replace(
+    "    own = list(module.parameters(recurse=False))\n"
+    "    return nonwrapped_numel > 0 and len(own) > 0 and not any(p.requires_grad for p in own)\n",
+    "    return all(not p.requires_grad for p in module.parameters())\n")
+
+# FSDP not let inside a Block: a Block with a frozen Linear is one unit of mixed parameters (the 3-rank case).
+POLICY_NOT_INSIDE_BLOCKS = POLICY_SOLUTION.replace(
+    "    if recurse:\n        return True\n", "    if recurse:\n        return not isinstance(module, Block)\n")
 
 # No recurse branch: asked about the root with recurse=True, it answers False and FSDP looks no further.
 POLICY_NO_RECURSE = POLICY_SOLUTION.replace("    if recurse:\n        return True\n", "")
-
-# Every Linear, the small ones and those inside Blocks too.
-POLICY_EVERY_LINEAR = POLICY_SOLUTION.replace(
-    "isinstance(module, torch.nn.Linear) and nonwrapped_numel >= MIN_NUMEL", "isinstance(module, torch.nn.Linear)")
-
-# "At least" read as "more than": a Linear of exactly MIN_NUMEL parameters is left out.
-POLICY_STRICTLY_MORE = POLICY_SOLUTION.replace("nonwrapped_numel >= MIN_NUMEL", "nonwrapped_numel > MIN_NUMEL")
 
 SHARD_SOLUTION = '''%%exercise 04.flat_shard_numel
 def shard_numel(param_numels: list[int], world_size: int) -> tuple[int, int]:
@@ -100,62 +108,12 @@ def clip(model, max_norm: float) -> torch.Tensor:
 CLIP_WITH_FSDP = CLIP_WITH_TORCH.replace("    return clip_grad_norm_(model.parameters(), max_norm)\n",
                                          "    return model.clip_grad_norm_(max_norm)\n")
 
-SAVE_SOLUTION = '''%%exercise 04.full_state_dict
-import torch
-import torch.distributed as dist
-from torch.distributed.fsdp import FullStateDictConfig, StateDictType
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-
-def save_full_state_dict(model, path: str) -> None:
-    on_gpu = next(model.parameters()).is_cuda
-    config = FullStateDictConfig(offload_to_cpu=on_gpu, rank0_only=True)
-    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
-        state = model.state_dict()
-    if dist.get_rank() == 0:
-        torch.save(state, path)
-'''
-
-# state_dict() is a collective (it all-gathers every unit's shards): called on rank 0 only, it waits.
-SAVE_ON_RANK_0_ONLY = SAVE_SOLUTION.replace(
-    "    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):\n"
-    "        state = model.state_dict()\n    if dist.get_rank() == 0:\n        torch.save(state, path)\n",
-    "    if dist.get_rank() == 0:\n"
-    "        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):\n"
-    "            torch.save(model.state_dict(), path)\n")
-
-# Every rank saves: with rank0_only=True the others save an empty dict.
-SAVE_EVERY_RANK = SAVE_SOLUTION.replace("    if dist.get_rank() == 0:\n        torch.save(state, path)\n",
-                                        "    torch.save(state, path)\n")
-
-# The local state dict: each rank's FlatParameter shards, not the model's parameters.
-SAVE_LOCAL = SAVE_SOLUTION.replace(
-    "    on_gpu = next(model.parameters()).is_cuda\n"
-    "    config = FullStateDictConfig(offload_to_cpu=on_gpu, rank0_only=True)\n"
-    "    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):\n",
-    "    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):\n")
-
-# What the lesson's GPU code passes, on the CPU: torch 2.13 frees the gathered parameters before they are read
-# (https://github.com/pytorch/pytorch/issues/188989); a torch with the fix saves the right file.
-SAVE_OFFLOAD_ON_CPU = SAVE_SOLUTION.replace("offload_to_cpu=on_gpu", "offload_to_cpu=True")
-
 # The all-reduce on rank 0 only: rank 1 never joins it.
 CLIP_ON_RANK_0_ONLY = CLIP_SOLUTION.replace(
     "    dist.all_reduce(squares)\n", "    if dist.get_rank() == 0:\n        dist.all_reduce(squares)\n")
 
-# Only the big Linears: the Blocks are left to the root's unit.
+# Only the frozen modules: the Blocks are left to the root's unit.
 POLICY_NO_BLOCKS = POLICY_SOLUTION.replace("    if isinstance(module, Block):\n        return True\n", "")
-
-# No state_dict_type: FSDP1's default is FULL_STATE_DICT without rank0_only, so every rank builds the whole model.
-SAVE_DEFAULT = SAVE_SOLUTION.replace(
-    "    on_gpu = next(model.parameters()).is_cuda\n"
-    "    config = FullStateDictConfig(offload_to_cpu=on_gpu, rank0_only=True)\n"
-    "    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):\n"
-    "        state = model.state_dict()\n",
-    "    state = model.state_dict()\n")
-
-# The sharded state dict: each rank's part of each parameter, as ShardedTensors (for distributed checkpoints).
-SAVE_SHARDED = SAVE_LOCAL.replace("LOCAL_STATE_DICT", "SHARDED_STATE_DICT")
 
 MEMORY_SOLUTION = '''%%exercise 04.memory_per_rank
 import math
@@ -196,3 +154,53 @@ MEMORY_ADAM_ONE_TENSOR = MEMORY_SOLUTION.replace('{"adam": 2,', '{"adam": 1,').r
 # Adam's step counted per original parameter instead of per FlatParameter.
 MEMORY_STEP_PER_PARAMETER = MEMORY_SOLUTION.replace(
     "        state += 4 * len(flats)\n", "        state += 4 * sum(len(shapes) for shapes in units)\n")
+
+LOAD_SOLUTION = '''%%exercise 04.full_state_dict
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import StateDictType
+
+
+def load_full_state_dict(model, path: str) -> None:
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        template = model.state_dict()
+    if dist.get_rank() == 0:
+        saved = torch.load(path, weights_only=True)
+        for name, tensor in template.items():
+            tensor.copy_(saved[name])
+    for name in sorted(template):
+        dist.broadcast(template[name], src=0)
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        model.load_state_dict(template)
+'''
+
+# The lesson's reload: every rank reads the file, which only rank 0 has.
+LOAD_EVERY_RANK_READS = LOAD_SOLUTION.replace(
+    "    if dist.get_rank() == 0:\n        saved = torch.load(path, weights_only=True)\n",
+    "    saved = torch.load(path, weights_only=True)\n    if True:\n")
+
+# No broadcast: rank 0 loads the file's values, the others load the model's own (the template) back.
+LOAD_NO_BROADCAST = LOAD_SOLUTION.replace(
+    "    for name in sorted(template):\n        dist.broadcast(template[name], src=0)\n", "")
+
+# Broadcast into the state dict, never loaded: its tensors are copies, not the model's parameters.
+LOAD_NOT_LOADED = LOAD_SOLUTION.replace(
+    "    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):\n        model.load_state_dict(template)\n",
+    "")
+
+# The whole dict pickled from rank 0 (not allowed: tensors travel as tensors).
+LOAD_PICKLED = LOAD_SOLUTION.replace(
+    "    for name in sorted(template):\n        dist.broadcast(template[name], src=0)\n",
+    "    box = [template]\n    dist.broadcast_object_list(box, src=0)\n    template = box[0]\n")
+
+# Only rank 0 loads: FSDP's load is a collective (it gathers every unit), so rank 0 waits for the others.
+LOAD_ON_RANK_0_ONLY = '''%%exercise 04.full_state_dict
+import torch
+import torch.distributed as dist
+
+
+def load_full_state_dict(model, path: str) -> None:
+    if dist.get_rank() == 0:
+        model.load_state_dict(torch.load(path, weights_only=True))
+'''

@@ -6,23 +6,40 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from course_lib.models import Block
+
 
 def shard_bottom_up(model) -> None:
+    """Shard model over every rank: a group per Block, one for the tied embed and head, the root last."""
     mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
-    for block in model.blocks:
+    # The Blocks sit inside the stages: look for them, not for a known attribute. Listed first, since
+    # fully_shard changes each Block's class as it goes.
+    for block in [m for m in model.modules() if isinstance(m, Block)]:
         fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    # One Parameter, two modules: one call makes them one group (either alone: torch refuses the other).
+    fully_shard([model.embed, model.head], mesh=mesh)
+    fully_shard(model, mesh=mesh)  # last: what is left, the norm
 '''
 
-# Only the root: one group holds every parameter, gathered whole before the forward.
-SHARD_ROOT_ONLY = SHARD_SOLUTION.replace("    for block in model.blocks:\n        fully_shard(block, mesh=mesh)\n", "")
+# The lesson's loop over model.blocks: this model has no such attribute (its Blocks are inside stages).
+SHARD_BLOCKS_ATTRIBUTE = SHARD_SOLUTION.replace("[m for m in model.modules() if isinstance(m, Block)]", "model.blocks")
 
-# Top down: the root first, then the Blocks, whose parameters the root has already made DTensors.
-SHARD_ROOT_FIRST = SHARD_SOLUTION.replace(
-    "    for block in model.blocks:\n        fully_shard(block, mesh=mesh)\n    fully_shard(model, mesh=mesh)\n",
-    "    fully_shard(model, mesh=mesh)\n    for block in model.blocks:\n        fully_shard(block, mesh=mesh)\n")
+# A group per stage (a Sequential of Blocks), not per Block.
+SHARD_PER_STAGE = SHARD_SOLUTION.replace("[m for m in model.modules() if isinstance(m, Block)]", "model.stages")
 
-# The mesh's size written in the code: right on 2 ranks, wrong on 4.
+# The tied pair left to the root's group.
+SHARD_PAIR_IN_ROOT = SHARD_SOLUTION.replace("    fully_shard([model.embed, model.head], mesh=mesh)\n", "")
+
+# The embedding and the head sharded one by one (torch refuses the second).
+SHARD_PAIR_APART = SHARD_SOLUTION.replace(
+    "    fully_shard([model.embed, model.head], mesh=mesh)\n",
+    "    fully_shard(model.embed, mesh=mesh)\n    fully_shard(model.head, mesh=mesh)\n")
+
+# The root first, then the Blocks.
+SHARD_ROOT_FIRST = SHARD_SOLUTION.replace("    fully_shard(model, mesh=mesh)\n", "").replace(
+    "    for block in [", "    fully_shard(model, mesh=mesh)\n    for block in [")
+
+# init_device_mesh("cpu", (2,)): right on 2 ranks only.
 SHARD_MESH_OF_2 = SHARD_SOLUTION.replace("(dist.get_world_size(),)", "(2,)")
 
 ZERO3_SOLUTION = '''%%exercise 05.zero3_linear
@@ -105,39 +122,47 @@ import torch.nn.functional as F
 
 def accumulate(model, optimizer, micro_batches) -> None:
     k = len(micro_batches)
+    model.set_reshard_after_forward(False)
     for i, (inputs, targets) in enumerate(micro_batches):
-        model.set_requires_gradient_sync(i == k - 1)
-        loss = F.mse_loss(model(inputs), targets) / k
-        loss.backward()
+        last = i == k - 1
+        model.set_requires_gradient_sync(last)
+        model.set_reshard_after_backward(last)
+        (F.mse_loss(model(inputs), targets) / k).backward()
+    model.set_reshard_after_forward(True)
     optimizer.step()
     optimizer.zero_grad()
 '''
 
-# Sync turned off and never back on: no reduce-scatter, no gradient on the shards, no step.
-ACCUMULATE_NEVER_ON = ACCUMULATE_SOLUTION.replace("set_requires_gradient_sync(i == k - 1)",
-                                                  "set_requires_gradient_sync(False)")
+# The lesson's recipe: gradient sync off for K-1 micro-batches, the groups resharded as usual.
+ACCUMULATE_SYNC_ONLY = ACCUMULATE_SOLUTION.replace("    model.set_reshard_after_forward(False)\n", "").replace(
+    "        model.set_reshard_after_backward(last)\n", "").replace("    model.set_reshard_after_forward(True)\n", "")
 
-# Only the root's own group turned off: the Blocks reduce-scatter every micro-batch (the result is right).
-ACCUMULATE_ROOT_ONLY = ACCUMULATE_SOLUTION.replace("set_requires_gradient_sync(i == k - 1)",
-                                                   "set_requires_gradient_sync(i == k - 1, recurse=False)")
+# Kept gathered after backward, but still resharded after each forward.
+ACCUMULATE_NO_FORWARD = ACCUMULATE_SOLUTION.replace("    model.set_reshard_after_forward(False)\n", "").replace(
+    "    model.set_reshard_after_forward(True)\n", "")
 
-# The gradients left in .grad after the step (the statement asks for them zeroed).
+# Kept gathered after forward, but resharded after each backward.
+ACCUMULATE_NO_BACKWARD = ACCUMULATE_SOLUTION.replace("        model.set_reshard_after_backward(last)\n", "")
+
+# Never resharded after backward, the last one included: the parameters stay gathered.
+ACCUMULATE_LEFT_GATHERED = ACCUMULATE_SOLUTION.replace("set_reshard_after_backward(last)",
+                                                       "set_reshard_after_backward(False)")
+
+# Gradient sync never turned back on.
+ACCUMULATE_NEVER_ON = ACCUMULATE_SOLUTION.replace("set_requires_gradient_sync(last)", "set_requires_gradient_sync(False)")
+
+# The gradients left after the step.
 ACCUMULATE_GRADS_KEPT = ACCUMULATE_SOLUTION.replace("    optimizer.zero_grad()\n", "", 1)
 
-# The loss not divided by K: the K backwards add up to K times the mean.
-ACCUMULATE_NOT_DIVIDED = ACCUMULATE_SOLUTION.replace(" / k\n", "\n")
-
-# Divided by the world size too, as if FSDP summed over the ranks.
-ACCUMULATE_DIVIDED_BY_WORLD = ACCUMULATE_SOLUTION.replace(
-    "import torch.nn.functional as F\n", "import torch.distributed as dist\nimport torch.nn.functional as F\n").replace(
-    " / k\n", " / (k * dist.get_world_size())\n")
+# The loss not divided by K.
+ACCUMULATE_NOT_DIVIDED = ACCUMULATE_SOLUTION.replace(" / k)", ")")
 
 META_SOLUTION = '''%%exercise 05.meta_init_broadcast
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 
 def init_sharded(build, full_state):
@@ -149,30 +174,50 @@ def init_sharded(build, full_state):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     model.to_empty(device=device)
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, full_state, options=options)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name not in model.state_dict():
+                continue
+            whole = full_state[name].to(device) if rank == 0 else torch.empty(tensor.shape, device=device)
+            dist.broadcast(whole, src=0)
+            if isinstance(tensor, DTensor):
+                rows = -(-whole.shape[0] // world)
+                tensor.to_local().copy_(whole[rank * rows:(rank + 1) * rows])
+            else:
+                tensor.copy_(whole)
+        dim = model.scale.freq.numel()
+        model.scale.freq.copy_(100.0 ** (-torch.arange(dim, dtype=torch.float32, device=device) / dim))
     return model
 '''
 
-# Each rank initialises its shards itself: the same random draws on every rank.
+# The lesson's load: set_model_state_dict, refused here.
+META_WITH_TORCH = META_SOLUTION.replace(
+    "    rank, world = dist.get_rank(), dist.get_world_size()\n",
+    "    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict\n"
+    "    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, "
+    "broadcast_from_rank0=True))\n    rank, world = dist.get_rank(), dist.get_world_size()\n")
+
+# The computed buffer left as to_empty left it.
+META_NO_FREQ = META_SOLUTION.replace(
+    "        model.scale.freq.copy_(100.0 ** (-torch.arange(dim, dtype=torch.float32, device=device) / dim))\n", "")
+
+# The parameters loaded, the buffers skipped.
+META_PARAMETERS_ONLY = META_SOLUTION.replace("[*model.named_parameters(), *model.named_buffers()]",
+                                             "model.named_parameters()")
+
+# reset_parameters() on the shards instead of the load.
 META_RESET = META_SOLUTION.replace(
-    "    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)\n"
-    "    set_model_state_dict(model, full_state, options=options)\n",
-    "    for module in model.modules():\n"
-    "        if hasattr(module, \"reset_parameters\"):\n"
-    "            module.reset_parameters()\n")
+    "    rank, world = dist.get_rank(), dist.get_world_size()\n",
+    "    for module in model.modules():\n        if isinstance(module, torch.nn.Linear):\n"
+    "            module.reset_parameters()\n    return model\n    rank, world = dist.get_rank(), dist.get_world_size()\n")
 
-# A full state dict without broadcast_from_rank0: the ranks given {} have nothing to load.
-META_NO_BROADCAST = META_SOLUTION.replace("full_state_dict=True, broadcast_from_rank0=True", "full_state_dict=True")
+# Built on the CPU: every rank holds the whole model.
+META_ON_CPU = META_SOLUTION.replace("    with torch.device(\"meta\"):\n        model = build()\n", "    model = build()\n")
 
-# Built on the CPU: right values, but every rank held the whole model first.
-META_ON_CPU = META_SOLUTION.replace("    with torch.device(\"meta\"):\n        model = build()\n",
-                                    "    model = build()\n")
-
-# Loading on rank 0 only ("only rank 0 has the weights"): rank 0 waits for the others in the broadcast.
-META_LOAD_ON_RANK_0 = META_SOLUTION.replace(
-    "    set_model_state_dict(model, full_state, options=options)\n",
-    "    if dist.get_rank() == 0:\n        set_model_state_dict(model, full_state, options=options)\n")
+# The broadcast on rank 0 only: the others never join it.
+META_LOAD_ON_RANK_0 = META_SOLUTION.replace("            dist.broadcast(whole, src=0)\n",
+                                            "            if rank == 0:\n                dist.broadcast(whole, src=0)\n")
 
 HSDP_SOLUTION = '''%%exercise 05.hsdp_mesh
 import torch.distributed as dist

@@ -32,7 +32,7 @@ from course_lib.grading.lessons.lesson04.flat_shard_numel import flat_shard
 from course_lib.grading.lessons.lesson04.memory_per_rank import UNITS_2 as MEMORY_UNITS_2
 from course_lib.grading.lessons.lesson04.memory_per_rank import UNITS_3 as MEMORY_UNITS_3
 from course_lib.grading.lessons.lesson04.memory_per_rank import memory_reference
-from course_lib.grading.lessons.lesson04.wrap_policy import MIN_NUMEL, WRAP_A, WRAP_B, expected_units, linear_sizes
+from course_lib.grading.lessons.lesson04.wrap_policy import WRAP_A, WRAP_B, expected_units
 from course_lib.grading.registry import exercise, exercises_of_lesson
 from course_lib.grading.report import item_line
 
@@ -78,18 +78,10 @@ def _and(words: list[str]) -> str:
     return ", ".join(words[:-1]) + f" and {words[-1]}"
 
 
-def _linear_phrases(sizes: dict) -> list[str]:
-    """"`stem.0 = Linear(9, 100)` (exactly 1000 parameters)": each Linear outside the Blocks, as the text says it."""
-    from course_lib.grading.lessons.lesson04.drivers import wrap_model
-
-    modules = dict(wrap_model(sizes).named_modules())
-    phrases = []
-    for name, (numel, inside) in linear_sizes(sizes).items():
-        if not inside:
-            linear = modules[name]
-            count = f"exactly {numel} parameters" if numel == MIN_NUMEL else str(numel)
-            phrases.append(f"`{name} = Linear({linear.in_features}, {linear.out_features})` ({count})")
-    return phrases
+def _policy_phrases(sizes: dict) -> list[str]:
+    """"`Linear(6, 8)` in `embed`, `out=5`, frozen: `embed` and `norm`": one case's model, as the text says it."""
+    frozen = _and([f"`{name}`" for name in sizes["frozen"]])
+    return [f"`Linear({sizes['features']}, {sizes['dim']})` in `embed`, `out={sizes['out']}`, frozen: {frozen}:"]
 
 
 def _case_phrases(exercise_id: str, case: dict) -> list[str]:
@@ -98,7 +90,7 @@ def _case_phrases(exercise_id: str, case: dict) -> list[str]:
     if exercise_id == POLICY:
         sizes, rows = case[0][0], case[0][2].shape[0]
         units = ["the root"] + [f"`{name}`" for name in expected_units(sizes) if name]
-        return [f"{sizes['layers']} Blocks", *_linear_phrases(sizes), f"the units are {_and(units)}",
+        return [f"{sizes['layers']} Blocks", *_policy_phrases(sizes), f"the units are {_and(units)}",
                 f"this rank's {rows} rows"]
     if exercise_id == SHARD:
         numels = [math.prod(shape) for shape in case[0][0]]
@@ -118,8 +110,9 @@ def _case_phrases(exercise_id: str, case: dict) -> list[str]:
         norm, _ = clip_reference(weights, torch.cat(whole[0]), torch.cat(whole[1]), max_norm)
         clipped = "(clipped" if norm > max_norm else "(not clipped"
         return [f"{rows} rows per rank", f"batch of {n * rows}", f"`max_norm={max_norm:g}` {clipped}"]
-    steps, rows = len(case[0][2]), case[0][2][0][0].shape[0]
-    return [f"{steps} step{'s' * (steps != 1)} of {rows} rows per rank", f"of {n * rows} rows"]
+    policy = case[0][2]
+    return [{"linears": "`ToyModel` wrapped with `ModuleWrapPolicy({torch.nn.Linear})`, one unit per Linear",
+             "root": "`ToyModel` wrapped with no policy, the root the only unit"}[policy]]
 
 
 def _power(tolerance: float) -> str:
@@ -134,10 +127,10 @@ def test_each_exercise_states_its_deadline_cases_and_allowed_calls(exercise_id):
     assert_section_states_the_check(exercise_id, text, _case_phrases)
     if exercise_id in (POLICY, CLIP, SAVE):
         assert f"rtol {_power(RTOL)} and atol {_power(ATOL)}" in text
-    if exercise_id in (POLICY, CLIP, SAVE):
+    if exercise_id in (POLICY, CLIP):
         assert f"lr {LR:g}" in text
     if exercise_id == POLICY:
-        assert f"`MIN_NUMEL = {MIN_NUMEL}`" in text and "**at least**" in text
+        assert "Block(8, hidden)" in text and "module.parameters(recurse=False)" in text
     if exercise_id == CLIP:
         assert "relative 1e-4" in text and "max_norm / (norm + 1e-6)" in text
 
@@ -174,12 +167,18 @@ def test_the_memory_reference_is_measure_steps_prediction():
                         memory_reference(units, "FULL_SHARD", world, optimizer)
 
 
-def test_the_policy_cases_sit_on_the_boundary():
-    """stem.0 has exactly MIN_NUMEL parameters in one case and one fewer in the other: `>` and `>=` differ."""
-    assert linear_sizes(WRAP_A)["stem.0"] == (MIN_NUMEL, False)
-    assert linear_sizes(WRAP_B)["stem.0"] == (MIN_NUMEL - 1, False)
-    assert "stem.0" in expected_units(WRAP_A) and "stem.0" not in expected_units(WRAP_A, strictly_more=True)
-    assert all(numel < MIN_NUMEL for numel, inside in linear_sizes(WRAP_B).values() if inside)
+def test_the_policy_cases_need_each_rule():
+    """Each case has frozen modules outside the Blocks, beside a container left with nothing (embed) and a ReLU;
+    the 3-rank case a frozen Linear inside a Block; and trainable parameters outside the Blocks, so that the
+    lesson's ModuleWrapPolicy({Block}) mixes them with frozen ones in the root's unit (torch's refusal is the
+    policy-blocks-only wrong answer below)."""
+    from course_lib.grading.lessons.lesson04.drivers import wrap_model
+
+    assert expected_units(WRAP_A) == ["", "embed.0", "embed.1", "blocks.0", "blocks.1", "norm"]
+    assert expected_units(WRAP_B) == ["", "embed.0", "embed.1", "blocks.0", "blocks.0.up", "blocks.1", "blocks.2"]
+    for sizes in (WRAP_A, WRAP_B):
+        outside = {p.requires_grad for n, p in wrap_model(sizes).named_parameters() if not n.startswith("blocks.")}
+        assert outside == {True, False}, sizes
 
 
 def test_the_exercises_fork_their_ranks_with_fsdp_imported(ranks):
@@ -203,8 +202,11 @@ def test_stub_scores_zero_and_shows_its_first_hint_once(exercise_id, ranks):
     assert_stub_scores_zero_with_its_first_hint_once(exercise_id, STUBS[exercise_id], ranks=ranks)
 
 
-UNITS_2, UNITS_3 = ("the FSDP units: the root, each Block, stem.0 with exactly 1000 parameters (2 ranks)",
-                    "the FSDP units: the root, each Block, the head with 1080 parameters (3 ranks)")
+UNITS_2, POLICY_STEP_2, UNITS_3, POLICY_STEP_3 = (
+    "the FSDP units: the root, each Block, embed.0, embed.1 and norm (2 ranks)",
+    "one SGD step equals one process on the whole batch (2 ranks)",
+    "the FSDP units: the root, each Block, embed.0, embed.1 and blocks.0.up (3 ranks)",
+    "one SGD step equals one process on the whole batch (3 ranks)")
 NUMEL_2, PAD_2, NUMEL_3, PAD_3 = (
     "the shard's numel equals FSDP's on every rank (2 ranks: 44 and 187 elements)",
     "the padding equals FSDP's (2 ranks: 44 and 187 elements)",
@@ -217,15 +219,20 @@ NORM_2, GRADS_2, STEP_2, NORM_3, GRADS_3, STEP_3 = (
     "returns the total gradient norm on every rank (3 ranks, clipped and not)",
     "every rank's gradient shards are clipped by it (3 ranks, clipped and not)",
     "an SGD step then gives one process's parameters (3 ranks)")
-LOADS_2, PARAMS_2, RANK_0_ONLY_2, HOLDS_2, PARAMS_3, HOLDS_3 = (
-    "rank 0's file loads into the plain model with strict=True (2 ranks)",
-    "its parameters equal one process's after 2 SGD steps on the whole batch (2 ranks)",
-    "no other rank writes a file (2 ranks)",
-    "no other rank holds the whole model's state dict (2 ranks)",
-    "its parameters equal one process's after 1 SGD step on the whole batch (3 ranks)",
-    "no other rank holds the whole model's state dict (3 ranks)")
-CASE_A = "rank 0, case 1 of 1 (2 Blocks, stem.0 Linear(9, 100), head Linear(8, 5)): the FSDP units are "
-CASE_B = "rank 0, case 1 of 1 (3 Blocks, stem.0 Linear(26, 37), head Linear(8, 120)): the FSDP units are "
+LOAD_0_2, LOAD_1_2, LOAD_0_3, LOAD_OTHERS_3 = (
+    "rank 0's shards hold the file's values (2 ranks, one unit per Linear)",
+    "rank 1's shards hold the file's values (2 ranks, one unit per Linear)",
+    "rank 0's shards hold the file's values (3 ranks, the root only)",
+    "ranks 1 and 2's shards hold the file's values (3 ranks, the root only)")
+CASE_A = "rank 0, case 1 of 1 (2 Blocks, frozen: embed, norm): the FSDP units are "
+CASE_B = "rank 0, case 1 of 1 (3 Blocks, frozen: embed, blocks.0.up): the FSDP units are "
+UNITS_A = "['', 'embed.0', 'embed.1', 'blocks.0', 'blocks.1', 'norm']"
+UNITS_B = "['', 'embed.0', 'embed.1', 'blocks.0', 'blocks.0.up', 'blocks.1', 'blocks.2']"
+MIXED = ("rank 0 raised: ValueError: Must flatten tensors with uniform `requires_grad` when `use_orig_params=False`: "
+         "{} would hold frozen {} and trainable {} in one FlatParameter, which has one requires_grad; a frozen module "
+         "needs a unit of its own (FSDP asks about it before its parent)")
+NOT_ASKED = ("is a Block: every Block must be a unit of its own; FSDP asks whether to make a module a unit "
+             "(recurse=False) only if it was let inside it (recurse=True)")
 SHARD_44_2 = "rank 0, case 1 of 2 (param_numels=[24, 6, 12, 2], 44 elements, world_size=2): "
 SHARD_44_3 = "rank 0, case 1 of 3 (param_numels=[24, 6, 12, 2], 44 elements, world_size=3): "
 SHARD_30 = "rank 0, case 2 of 3 (param_numels=[9, 16, 5], 30 elements, world_size=3): "
@@ -239,36 +246,57 @@ CLIP_B2 = "rank 0, case 2 of 2 (max_norm=50, batch of 8 split over 2 ranks): "
 CLIP_B3 = "rank 0, case 2 of 2 (max_norm=100, batch of 6 split over 3 ranks): "
 STEP_WRONG = "after clipping and an SGD step (lr 0.1): blocks.0.up.weight element [0, 0] is "
 REFUSED = "is what this exercise asks you to build: it is not allowed here"
-DEFAULT_WHOLE = ("state_dict() gave this rank the whole model too (10 entries): FSDP1's default full state dict "
-                 "gathers every parameter on every rank, a copy of the model per rank; only rank 0 must keep it")
-LOCAL_FILE = ("the file holds FSDP's flat parameters (_flat_param, blocks.0._flat_param, blocks.1._flat_param: a "
-              "LOCAL_STATE_DICT); use StateDictType.FULL_STATE_DICT")
-SHARDED_FILE = "the file holds ShardedTensor values, not plain tensors (a SHARDED_STATE_DICT?)"
+NO_FILE = ("raised at cell line 11: FileNotFoundError: no file model_case1.pt on rank {}: the file is on rank 0's disk "
+           "only (each rank here has a folder of its own, as nodes have disks of their own); rank 0 reads it and "
+           "sends each tensor")
+BEFORE = "still holds the model's values from before the load"
+NOT_SENT = (BEFORE + ", not the file's: rank 0 alone can read the file, so each tensor must come from rank 0 "
+            "(dist.broadcast), and every rank must load what arrived")
+NOT_LOADED = (BEFORE + ": rank 0 read the file, but the state dict's tensors are copies (FSDP1 clones what it "
+              "gathers); the model changes only by model.load_state_dict(...)")
+LINEARS, ROOT_ONLY = "case 1 of 1 (ToyModel, one unit per Linear): ", "case 1 of 1 (ToyModel, the root the only unit): "
+PICKLED = ("rank 0 raised at cell line 16: RuntimeError: 04.full_state_dict may use only all_gather, "
+           "all_gather_into_tensor, all_gather_single, broadcast, reduce_scatter_single, reduce_scatter_tensor: "
+           "dist.broadcast_object_list is not allowed here")
 
-# A wrong policy still trains right (FSDP's units change the communication, not the result): it loses the
-# units' points only. A wrong save loses what its file gets wrong, and keeps "no other rank writes" if it can.
+# A wrong policy that FSDP accepts still trains right (units change the communication, not the result): it loses
+# the units' points only; one FSDP refuses loses all. A wrong load loses the ranks whose shards it leaves wrong.
 WRONG = [
+    # The lesson's ModuleWrapPolicy({Block}) by hand: the root's unit mixes frozen and trainable; torch refuses it.
+    # (3 ranks: blocks.0, with its frozen up, is the first unit FSDP builds and refuses.)
+    pytest.param(POLICY, answers.POLICY_BLOCKS_ONLY, {
+        **{name: MIXED.format("the root's unit", "embed.0.weight, embed.0.bias, embed.1.weight",
+                              "head.0.weight, head.0.bias, head.2.weight") for name in (UNITS_2, POLICY_STEP_2)},
+        **{name: MIXED.format("the unit blocks.0", "blocks.0.up.weight, blocks.0.up.bias",
+                              "blocks.0.down.weight, blocks.0.down.bias") for name in (UNITS_3, POLICY_STEP_3)},
+    }, id="policy-blocks-only"),
+    # all() of module.parameters() with nothing left to hold: embed (its units' FlatParameters frozen) and the ReLU
+    # become units of nothing; the step is right.
+    pytest.param(POLICY, answers.POLICY_ALL_FROZEN, {
+        UNITS_2: CASE_A + "['', 'embed', 'embed.0', 'embed.1', 'blocks.0', 'blocks.1', 'norm', 'head.1'], expected "
+                 + UNITS_A + ": embed (Sequential) has nothing left to hold (its children are units already, their "
+                 "FlatParameters frozen), yet it became a unit of 0 parameters: a module with nonwrapped_numel 0 is "
+                 "not a unit",
+        UNITS_3: CASE_B + "['', 'embed', 'embed.0', 'embed.1', 'blocks.0', 'blocks.0.up', 'blocks.1', 'blocks.2', "
+                 "'head.1'], expected " + UNITS_B + ": embed (Sequential) has nothing left to hold",
+    }, id="policy-all-frozen-units-of-nothing"),
+    # Not looking inside a Block: the Blocks are never asked to be units (2 ranks), and blocks.0's frozen up stays in
+    # the root's unit with trainable parameters (3 ranks).
+    pytest.param(POLICY, answers.POLICY_NOT_INSIDE_BLOCKS, {
+        UNITS_2: CASE_A + "['', 'embed.0', 'embed.1', 'norm'], expected " + UNITS_A + ": blocks.0 " + NOT_ASKED,
+        UNITS_3: MIXED.format("the root's unit", "blocks.0.up.weight, blocks.0.up.bias",
+                              "blocks.0.down.weight, blocks.0.down.bias, blocks.1.up.weight"),
+        POLICY_STEP_3: MIXED.format("the root's unit", "blocks.0.up.weight, blocks.0.up.bias",
+                                    "blocks.0.down.weight, blocks.0.down.bias, blocks.1.up.weight"),
+    }, id="policy-not-inside-blocks"),
+    # No recurse branch: FSDP looks no further than the root, which holds everything.
     pytest.param(POLICY, answers.POLICY_NO_RECURSE, {
-        UNITS_2: CASE_A + "[''], expected ['', 'stem.0', 'blocks.0', 'blocks.1']: only the root is a unit: FSDP "
-                          "first asks the policy with recurse=True whether to look inside a module",
-        UNITS_3: CASE_B + "[''], expected ['', 'blocks.0', 'blocks.1', 'blocks.2', 'head']: only the root",
-    }, id="policy-without-recurse"),
-    pytest.param(POLICY, answers.POLICY_EVERY_LINEAR, {
-        UNITS_2: CASE_A + "['', 'stem.0', 'stem.2', 'blocks.0', 'blocks.0.up', 'blocks.0.down', 'blocks.1', "
-                          "'blocks.1.up', 'blocks.1.down', 'head'], expected ['', 'stem.0', 'blocks.0', 'blocks.1']: "
-                          "blocks.0.up is a Linear inside a Block (117 parameters): its Block's unit holds it",
-        UNITS_3: "blocks.0.up is a Linear inside a Block (117 parameters)",
-    }, id="policy-every-linear"),
-    # Only the 2-rank case has a Linear of exactly MIN_NUMEL parameters: the 3-rank case passes.
-    pytest.param(POLICY, answers.POLICY_STRICTLY_MORE, {
-        UNITS_2: CASE_A + "['', 'blocks.0', 'blocks.1'], expected ['', 'stem.0', 'blocks.0', 'blocks.1']: stem.0 "
-                          "has exactly 1000 parameters: 'at least' is nonwrapped_numel >= MIN_NUMEL, not >",
-    }, id="policy-more-than"),
+        name: ("rank 0 raised: ValueError: Must flatten tensors with uniform `requires_grad`", "the root's unit would "
+               "hold frozen embed.0.weight, embed.0.bias, embed.1.weight and trainable blocks.0.")
+        for name in (UNITS_2, POLICY_STEP_2, UNITS_3, POLICY_STEP_3)}, id="policy-without-recurse"),
     pytest.param(POLICY, answers.POLICY_NO_BLOCKS, {
-        UNITS_2: CASE_A + "['', 'stem.0'], expected ['', 'stem.0', 'blocks.0', 'blocks.1']: blocks.0 is a Block: "
-                          "every Block must be a unit of its own",
-        UNITS_3: CASE_B + "['', 'head'], expected ['', 'blocks.0', 'blocks.1', 'blocks.2', 'head']: blocks.0 is a "
-                          "Block",
+        UNITS_2: CASE_A + "['', 'embed.0', 'embed.1', 'norm'], expected " + UNITS_A + ": blocks.0 " + NOT_ASKED,
+        UNITS_3: CASE_B + "['', 'embed.0', 'embed.1', 'blocks.0.up'], expected " + UNITS_B + ": blocks.0 " + NOT_ASKED,
     }, id="policy-without-blocks"),
     pytest.param(SHARD, answers.SHARD_NO_ALIGNMENT, {
         NUMEL_2: SHARD_44_2 + "shard numel is 22, FSDP's shard on rank 0 holds 23 elements: " + NO_ALIGNMENT,
@@ -356,25 +384,30 @@ WRONG = [
         item: "rank 0 raised at cell line 7: RuntimeError: FullyShardedDataParallel.clip_grad_norm_ " + REFUSED
         for item in (NORM_2, GRADS_2, STEP_2, NORM_3, GRADS_3, STEP_3)
     }, id="clip-with-fsdp-refused"),
-    # FSDP1's default state dict is FULL: the file is right, but every rank held the whole model to build it.
-    pytest.param(SAVE, answers.SAVE_DEFAULT, {
-        HOLDS_2: "rank 1, case 1 of 1 (2 SGD steps, 4 rows per rank per step): " + DEFAULT_WHOLE,
-        HOLDS_3: "rank 1, case 1 of 1 (1 SGD step, 2 rows per rank per step): " + DEFAULT_WHOLE,
-    }, id="save-default-state-dict"),
-    pytest.param(SAVE, answers.SAVE_EVERY_RANK, {
-        RANK_0_ONLY_2: "rank 1, case 1 of 1 (2 SGD steps, 4 rows per rank per step): this rank saved a file holding "
-                       "an empty dict: with rank0_only=True only rank 0's state_dict() holds the parameters",
-    }, id="save-on-every-rank"),
-    pytest.param(SAVE, answers.SAVE_LOCAL, {
-        LOADS_2: "rank 0, case 1 of 1 (2 SGD steps, 4 rows per rank per step): " + LOCAL_FILE,
-        PARAMS_2: LOCAL_FILE,
-        PARAMS_3: "rank 0, case 1 of 1 (1 SGD step, 2 rows per rank per step): " + LOCAL_FILE,
-    }, id="save-local-state-dict"),
-    pytest.param(SAVE, answers.SAVE_SHARDED, {
-        LOADS_2: "rank 0, case 1 of 1 (2 SGD steps, 4 rows per rank per step): " + SHARDED_FILE,
-        PARAMS_2: SHARDED_FILE,
-        PARAMS_3: "rank 0, case 1 of 1 (1 SGD step, 2 rows per rank per step): " + SHARDED_FILE,
-    }, id="save-sharded-state-dict"),
+    # The lesson's reload, where only rank 0 has the file: the others find none.
+    pytest.param(SAVE, answers.LOAD_EVERY_RANK_READS, {
+        LOAD_0_2: "rank 1 " + NO_FILE.format(1), LOAD_1_2: "rank 1 " + NO_FILE.format(1),
+        # ranks 1 and 2 both raise: the report names the one that ended first
+        LOAD_0_3: tuple(NO_FILE.split("{}")), LOAD_OTHERS_3: tuple(NO_FILE.split("{}")),
+    }, id="load-every-rank-reads-the-file"),
+    # Rank 0 loads the file's values, the others their own back: rank 0's point only.
+    pytest.param(SAVE, answers.LOAD_NO_BROADCAST, {
+        LOAD_1_2: "rank 1, " + LINEARS + "its shard of blocks.0.up.weight (elements 59 to 103 of the flattened "
+                  "tensor) " + NOT_SENT,
+        LOAD_OTHERS_3: "rank 1, " + ROOT_ONLY + "its shard of blocks.0.down.weight (elements 51 to 103 of the "
+                       "flattened tensor) " + NOT_SENT,
+    }, id="load-without-broadcast"),
+    pytest.param(SAVE, answers.LOAD_NOT_LOADED, {
+        LOAD_0_2: "rank 0, " + LINEARS + "its shard of blocks.0.up.weight (elements 0 to 58 of the flattened tensor) "
+                  + NOT_LOADED,
+        LOAD_1_2: "rank 1, " + LINEARS + "its shard of blocks.0.up.weight (elements 59 to 103 of the flattened "
+                  "tensor) " + NOT_SENT,
+        LOAD_0_3: "rank 0, " + ROOT_ONLY + "its shard of blocks.0.up.weight (elements 0 to 103 of the flattened "
+                  "tensor) " + NOT_LOADED,
+        LOAD_OTHERS_3: "rank 1, " + ROOT_ONLY + "its shard of blocks.0.down.weight",
+    }, id="load-broadcast-never-loaded"),
+    pytest.param(SAVE, answers.LOAD_PICKLED, {
+        item: PICKLED for item in (LOAD_0_2, LOAD_1_2, LOAD_0_3, LOAD_OTHERS_3)}, id="load-pickled-dict-refused"),
 ]
 
 
@@ -425,29 +458,16 @@ def test_wrong_answer_loses_the_right_points_and_says_why(exercise_id, source, l
     assert_loses_exactly(exercise_id, source, lost, ranks=ranks)
 
 
-def test_offload_to_cpu_on_a_cpu_model_is_named_or_works(ranks):
-    """FullStateDictConfig(offload_to_cpu=True), as on a GPU: torch 2.13 frees the gathered parameters of a model
-    on the CPU before state_dict() reads them (pytorch/pytorch#188989), and the report says why in torch's
-    words and the checker's; a torch with the fix saves the right file."""
-    items = check_exercise(exercise(SAVE), answers.SAVE_OFFLOAD_ON_CPU, ranks=ranks)
-    if all(item.passed for item in items):
-        return
-    for item in items:
-        assert item.score == 0 and item.message.startswith("rank 0 raised at cell line "), item.message
-        assert "out of bounds for storage of size 0: FullStateDictConfig(offload_to_cpu=True) on a model on the " \
-               "CPU frees the gathered parameters" in item.message, item.message
-
-
 HANGS = [
     # The squared norms' all-reduce on rank 0 only: rank 1 never calls it.
     pytest.param(CLIP, answers.CLIP_ON_RANK_0_ONLY, [
         "rank 0 is still in your function: it is waiting in all_reduce #1 (4 B, world group)",
         "rank 1 finished your function and waits in the checker's all_gather (world group)"], id="clip-on-rank-0-only"),
-    # state_dict() all-gathers every unit, the root's first (its 45 parameters padded to 46: 23 floats a rank).
-    pytest.param(SAVE, answers.SAVE_ON_RANK_0_ONLY, [
-        "rank 0 is still in your function: it is waiting in all_gather #1 (92 B, world group)",
-        "rank 1 finished your function and waits in the checker's barrier (world group)"],
-        id="state-dict-on-rank-0-only"),
+    # FSDP's load gathers every unit: rank 0 alone waits in the first all-gather.
+    pytest.param(SAVE, answers.LOAD_ON_RANK_0_ONLY, [
+        "rank 0 is still in your function: it is waiting in all_gather #1",
+        "rank 1 finished your function and waits in the checker's"],
+        id="load-on-rank-0-only"),
 ]
 
 

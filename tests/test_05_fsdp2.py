@@ -28,6 +28,7 @@ from course_lib.grading.cells import EXERCISE_ID, exercise_cells
 from course_lib.grading.checker import check_exercise, preload_for, rank_set_for
 from course_lib.grading.lessons.lesson05.exercises import (
     ATOL, FSDP2_OPS, LR, RTOL, TOY_2, TOY_3, all_gather_elements, group_elements, shard_rows, toy_weights)
+from course_lib.grading.lessons.lesson05.shard_bottom_up import TIED_2, TIED_4
 from course_lib.grading.registry import exercise, exercises_of_lesson
 from course_lib.grading.report import item_line
 from course_lib.vocabulary import canonical_op
@@ -75,8 +76,9 @@ def _case_phrases(exercise_id: str, case: dict) -> list[str]:
     n = len(case)
     if exercise_id == SHARD:
         sizes, rows = case[0][0], case[0][2].shape[0]
-        phrases = [f"`ToyModel` with {sizes['layers']} Blocks, this rank's {_rows(rows)} of a batch of {n * rows}"]
-        return phrases + ([_head_rows(n)] if n == 4 else [])
+        stages = sizes["stages"]
+        counts = ", ".join(map(str, stages[:-1])) + f" and {stages[-1]}"
+        return [f"stages of {counts} Blocks, vocab {sizes['vocab']}", f"this rank's {_rows(rows)} of a batch of {n * rows}"]
     if exercise_id == ZERO3:
         weights, inputs = case[0][0], case[0][1]
         (hidden, features), out = weights["0.weight"].shape, weights["2.weight"].shape[0]
@@ -94,7 +96,7 @@ def _case_phrases(exercise_id: str, case: dict) -> list[str]:
         return [f"{sizes['layers']} Blocks, K={k} micro-batches of {_rows(rows)} per rank (a batch of {n * k * rows} "
                 "rows)"]
     sizes = case[0][0]
-    return [f"`ToyModel` with {sizes['layers']} Blocks"] + ([_head_rows(n)] if n == 4 else [])
+    return [f"{n} ranks: {sizes['layers']} Blocks"] + ([_head_rows(n)] if n == 4 else [])
 
 
 @pytest.mark.parametrize("exercise_id", IDS)
@@ -123,19 +125,20 @@ def test_the_rows_each_rank_holds_are_fsdp2s_in_theory():
     assert [shard_rows(5, 4, r) for r in range(4)] == [(0, 2), (2, 4), (4, 5), (5, 5)]  # rank 3: no rows
 
 
-@pytest.mark.parametrize("n, sizes", [(2, TOY_2), (4, TOY_3)])
+@pytest.mark.parametrize("n, sizes", [(2, TIED_2), (4, TIED_4)])
 def test_the_forward_all_gathers_judged_are_theorys(n, sizes):
-    """The bytes 05.shard_bottom_up expects of the forward's all-gathers are cl.theory's FSDP2 step, forward part."""
-    weights = toy_weights(sizes, 0)
-    block, root = group_elements(sizes, weights, n)
-    units = [[tuple(v.shape) for k, v in weights.items() if k.startswith(f"blocks.{i}.")]
-             for i in range(sizes["layers"])]
-    units.append([tuple(v.shape) for k, v in weights.items() if k.startswith("head.")])
+    """The bytes 05.shard_bottom_up expects of the forward's all-gathers are cl.theory's FSDP2 step, forward part:
+    one group per Block, one for the tied pair (its weight counted once), the root's (the norm)."""
+    from course_lib.grading.lessons.lesson05.drivers import tied_model
+
+    weights = tied_model(sizes).state_dict()
+    block, pair, root = group_elements(sizes, weights, n)
+    units = [[tuple(v.shape) for k, v in weights.items() if k.startswith("norm.")], [tuple(weights["embed.weight"].shape)]]
+    units += [[tuple(v.shape) for k, v in weights.items() if k.startswith("stages.0.0.")]] * sum(sizes["stages"])
     steps = theory.fsdp2_step_collectives(units, n)
     forward = steps[:len(units)]
     assert [canonical_op(op) for op, _ in forward] == ["all_gather_single"] * len(units)
-    assert [nbytes for _, nbytes in forward] == [4 * root] + [4 * block] * sizes["layers"]
-    assert all_gather_elements([(13, 8), (13,), (8, 13), (8,)], 2) == 7 * 8 + 7 + 4 * 13 + 4 == 119
+    assert sorted(nbytes for _, nbytes in forward) == sorted([4 * root, 4 * pair] + [4 * block] * sum(sizes["stages"]))
 
 
 def test_the_exercises_fork_their_ranks_with_fsdp_imported(ranks):
@@ -164,12 +167,12 @@ def test_stub_scores_zero_and_says_what_to_write_once(exercise_id, ranks):
 
 
 UNITS_2, STEP_2, GATHERS_2, UNITS_4, STEP_4, GATHERS_4 = (
-    "every Block and the root are FSDP modules, every parameter Shard(0) on all 2 ranks",
+    "the groups: each Block, embed and head together, the root; every parameter Shard(0) on all 2 ranks",
     "one SGD step equals one process on the whole batch (2 ranks)",
-    "the forward all-gathers once per Block and once for the root (2 ranks)",
-    "every Block and the root are FSDP modules, every parameter Shard(0) on all 4 ranks",
+    "the forward all-gathers once per group (2 ranks)",
+    "the groups: each Block, embed and head together, the root; every parameter Shard(0) on all 4 ranks",
     "one SGD step equals one process on the whole batch (4 ranks)",
-    "the forward all-gathers once per Block and once for the root (4 ranks)")
+    "the forward all-gathers once per group (4 ranks)")
 VALUES_2, STEPS_2, FREED_2, SCATTERED_2, VALUES_4, STEPS_4, FREED_4, SCATTERED_4 = (
     "outputs and the shards' gradients equal one process (2 ranks)",
     "the shards after 3 SGD steps equal one process (2 ranks)",
@@ -183,16 +186,21 @@ HSDP_PLACED, HSDP_LEDGER, HSDP_STEPS = (
     "a 2 x 2 mesh: Replicate() over 'replicate', Shard(0) over 'shard', shard groups of consecutive ranks",
     "per mesh dim: all-gathers and reduce-scatters in the shard group, all-reduces across the replicas",
     "2 SGD steps equal one process on the whole batch")
-ACC_STEP_2, ACC_SYNC_2, ACC_STEP_4, ACC_SYNC_4 = (
+ACC_STEP_2, ACC_GATHER_2, ACC_SYNC_2, ACC_SHARDED_2, ACC_STEP_4, ACC_GATHER_4, ACC_SYNC_4 = (
     "one step equals one process on the whole batch (2 ranks, K=3)",
+    "each group all-gathers once, in the first micro-batch (2 ranks, K=3)",
     "reduce-scatters only in the last micro-batch (2 ranks, K=3)",
+    "every parameter is sharded again at the end (2 ranks, K=3)",
     "one step equals one process on the whole batch (4 ranks, K=2)",
+    "each group all-gathers once, in the first micro-batch (4 ranks, K=2)",
     "reduce-scatters only in the last micro-batch (4 ranks, K=2)")
-META_BUILT_2, META_VALUES_2, META_BUILT_4, META_VALUES_4 = (
+META_BUILT_2, META_VALUES_2, META_BUFFERS_2, META_BUILT_4, META_VALUES_4, META_BUFFERS_4 = (
     "built on the meta device, every parameter Shard(0) on the CPU (2 ranks)",
     "every rank's rows equal rank 0's state dict (2 ranks)",
+    "both buffers and the output equal one process's (2 ranks)",
     "built on the meta device, every parameter Shard(0) on the CPU (4 ranks)",
-    "every rank's rows equal rank 0's state dict (4 ranks)")
+    "every rank's rows equal rank 0's state dict (4 ranks)",
+    "both buffers and the output equal one process's (4 ranks)")
 TOY_CASE_2 = "rank 0, case 1 of 1 (ToyModel with 2 Blocks, 2 rows per rank): "
 TOY_CASE_4 = "rank 0, case 1 of 1 (ToyModel with 3 Blocks, 1 row per rank): "
 LINEAR_2 = "rank 0, case 1 of 1 (Linear(6, 8) -> ReLU -> Linear(8, 4), 3 rows of the batch per rank): "
@@ -222,6 +230,8 @@ RECURSE = ("the Blocks still reduce-scatter every micro-batch: set_requires_grad
            "off only the root's own group")
 RESET = ("every rank's shard of blocks.0.up.weight starts with the same values. reset_parameters() on a sharded model "
          "draws each rank's rows from the same random state")
+FREQ = ("a buffer registered with persistent=False is in no state dict, so loading rank 0's leaves it as to_empty left "
+        "it: memory without values")
 NO_BROADCAST = (" raised at cell line 19: RuntimeError: The option indicates that model state_dict is required to save "
                 "or load, but model state_dict is empty.rank = dist.get_rank()=",
                 ".: only rank 0 is given the full state dict ({} on the others); "
@@ -230,24 +240,34 @@ NO_BROADCAST = (" raised at cell line 19: RuntimeError: The option indicates tha
 # A model sharded the wrong way still trains right when it trains (FSDP's groups change the communication, not the
 # result): only the root sharded loses the structure's and the ledger's points, not the step's.
 WRONG = [
-    pytest.param(SHARD, answers.SHARD_ROOT_ONLY, {
-        UNITS_2: TOY_CASE_2 + "the FSDP modules are [''], expected ['', 'blocks.0', 'blocks.1']: only the root is: "
-                              "fully_shard(model) alone puts every parameter in one group",
-        GATHERS_2: TOY_CASE_2 + "the forward all-gathers once, 1060 B = 265 floats: every parameter's shard at once, "
-                                "expected 3: one per Block (476 B = 119 floats each, its shards) and the root's (108 B "
-                                "= 27 floats, the head's). Only the root was sharded",
-        UNITS_4: TOY_CASE_4 + "the FSDP modules are [''], expected ['', 'blocks.0', 'blocks.1', 'blocks.2']",
-        GATHERS_4: TOY_CASE_4 + "the forward all-gathers once, 840 B = 210 floats: every parameter's shard at once, "
-                                "expected 4: one per Block (256 B = 64 floats each, its shards) and the root's (72 B = "
-                                "18 floats, the head's)",
-    }, id="shard-root-only"),
-    # torch 2.13 and 2.15 raise in fully_shard(block): every item of both runs is lost, with the driver's words.
+    # The lesson's `for block in model.blocks`: this model's Blocks sit inside stages.
+    pytest.param(SHARD, answers.SHARD_BLOCKS_ATTRIBUTE, {
+        name: "raised at cell line 14: AttributeError: 'TiedModel' object has no attribute 'blocks'"
+        for name in (UNITS_2, STEP_2, GATHERS_2, UNITS_4, STEP_4, GATHERS_4)}, id="shard-model-blocks"),
+    # A group per stage: trains right, wrong groups and all-gathers.
+    pytest.param(SHARD, answers.SHARD_PER_STAGE, {
+        UNITS_2: "rank 0, case 1 of 1 (stages of 2, 1 Blocks, vocab 11, 2 rows per rank): the FSDP modules are ['', 'embed', 'stages.0', 'stages.1', 'head'], expected ['', 'embed', "
+                 "'stages.0.0', 'stages.0.1', 'stages.1.0', 'head']: stages.0 is a Sequential of Blocks",
+        GATHERS_2: "rank 0, case 1 of 1 (stages of 2, 1 Blocks, vocab 11, 2 rows per rank): the forward all-gathers 4 times",
+        UNITS_4: ("rank 0, case 1 of 1 (stages of 1, 1, 2 Blocks, vocab 6, 1 row per rank): ", "stages.0 is a Sequential of Blocks"),
+        GATHERS_4: "rank 0, case 1 of 1 (stages of 1, 1, 2 Blocks, vocab 6, 1 row per rank): the forward all-gathers 5 times",
+    }, id="shard-per-stage"),
+    pytest.param(SHARD, answers.SHARD_PAIR_IN_ROOT, {
+        UNITS_2: ("rank 0, case 1 of 1 (stages of 2, 1 Blocks, vocab 11, 2 rows per rank): ", "embed and head are not: the tied pair stayed in the root's group"),
+        GATHERS_2: "rank 0, case 1 of 1 (stages of 2, 1 Blocks, vocab 11, 2 rows per rank): the forward all-gathers 4 times (224 B = 56 floats,",
+        UNITS_4: ("rank 0, case 1 of 1 (stages of 1, 1, 2 Blocks, vocab 6, 1 row per rank): ", "embed and head are not: the tied pair stayed in the root's group"),
+        GATHERS_4: "rank 0, case 1 of 1 (stages of 1, 1, 2 Blocks, vocab 6, 1 row per rank): the forward all-gathers 5 times (80 B = 20 floats,",
+    }, id="shard-tied-pair-in-root"),
+    # torch refuses the pair at the first forward (the root's lazy init), not at the second call: the checker's
+    # words say why and name the one call.
+    pytest.param(SHARD, answers.SHARD_PAIR_APART, {
+        name: ("Parameter 'head.weight' is shared with a parameter already managed by another FSDP group: embed and "
+               "head hold one Parameter", "(torch finds that at the first forward). Shard the tied pair by one call, "
+               "together")
+        for name in (UNITS_2, STEP_2, GATHERS_2, UNITS_4, STEP_4, GATHERS_4)}, id="shard-tied-pair-apart"),
     pytest.param(SHARD, answers.SHARD_ROOT_FIRST, {
-        name: (" raised at cell line 11: " + ROOT_FIRST,)
+        name: (" raised at cell line 16: " + ROOT_FIRST,)
         for name in (UNITS_2, STEP_2, GATHERS_2, UNITS_4, STEP_4, GATHERS_4)}, id="shard-root-first"),
-    # init_device_mesh("cpu", (2,)): right on 2 ranks; on 4, ranks 2 and 3 are in no mesh.
-    pytest.param(SHARD, answers.SHARD_MESH_OF_2, {name: MESH_OF_2 for name in (UNITS_4, STEP_4, GATHERS_4)},
-                 id="shard-mesh-of-2"),
     # A Function that only gathers, under F.linear: the right numbers, but the whole weight kept for backward.
     pytest.param(ZERO3, answers.ZERO3_NO_FREE, {
         FREED_2: LINEAR_2 + NO_FREE.format([6, 8], 192, 48, [8, 6]),
@@ -272,53 +292,66 @@ WRONG = [
         SCATTERED_2: LINEAR_2 + ALL_REDUCE.format(128, 32),
         SCATTERED_4: LINEAR_4 + ALL_REDUCE.format(192, 48),
     }, id="zero3-all-reduce-then-slice"),
+    # The lesson's recipe: the reduce-scatters saved, the all-gathers not.
+    pytest.param(ACCUMULATE, answers.ACCUMULATE_SYNC_ONLY, {
+        ACC_GATHER_2: (MICRO_2, "all-gathers 5 in micro-batch 1, 5 in micro-batch 2, 5 in micro-batch 3: every "
+                                "micro-batch gathers again, as with gradient sync off alone"),
+        ACC_GATHER_4: (MICRO_4, "all-gathers 7 in micro-batch 1, 7 in micro-batch 2: every micro-batch gathers again"),
+    }, id="accumulate-lessons-recipe"),
+    pytest.param(ACCUMULATE, answers.ACCUMULATE_NO_FORWARD, {
+        ACC_GATHER_2: (MICRO_2, "all-gathers 5 in micro-batch 1, 2 in micro-batch 2, 2 in micro-batch 3: the Blocks "
+                                "are gathered again in every backward: they are resharded after each forward"),
+        ACC_GATHER_4: (MICRO_4, "they are resharded after each forward"),
+    }, id="accumulate-resharded-after-forward"),
+    pytest.param(ACCUMULATE, answers.ACCUMULATE_NO_BACKWARD, {
+        ACC_GATHER_2: (MICRO_2, "all-gathers 3 in micro-batch 1, 3 in micro-batch 2, 3 in micro-batch 3: each later "
+                                "forward gathers again: the groups were resharded after the backward before it"),
+        ACC_GATHER_4: (MICRO_4, "the groups were resharded after the backward before it"),
+    }, id="accumulate-resharded-after-backward"),
+    pytest.param(ACCUMULATE, answers.ACCUMULATE_LEFT_GATHERED, {
+        ACC_STEP_2: (MICRO_2, "is still the whole gathered tensor, as before the step"),
+        ACC_SHARDED_2: (MICRO_2, "blocks.0.up.weight is still gathered (a whole tensor, not a DTensor) when your "
+                                 "function returns"),
+        ACC_STEP_4: (MICRO_4, "is still the whole gathered tensor, as before the step"),
+    }, id="accumulate-left-gathered"),
     pytest.param(ACCUMULATE, answers.ACCUMULATE_NEVER_ON, {
-        ACC_STEP_2: MICRO_2 + "after the step its shard of blocks.0.up.weight (rows 0 to 6 of 13) element [0, 0] is "
-                              "0.23739, expected 0.234917: " + NEVER_ON,
-        ACC_SYNC_2: MICRO_2 + "expected none before the last micro-batch and 3 in it (one per Block and the root's): "
-                              "reduce-scatters 0 in micro-batch 1, 0 in micro-batch 2, 0 in micro-batch 3: "
-                    + NO_SCATTER,
-        ACC_STEP_4: (MICRO_4 + "after the step its shard of blocks.0.up.weight (rows 0 to 3 of 13)", NEVER_ON),
-        ACC_SYNC_4: MICRO_4 + "expected none before the last micro-batch and 4 in it (one per Block and the root's): "
-                              "reduce-scatters 0 in micro-batch 1, 0 in micro-batch 2: " + NO_SCATTER,
+        ACC_STEP_2: (MICRO_2, NEVER_ON), ACC_SYNC_2: (MICRO_2, NO_SCATTER),
+        ACC_STEP_4: (MICRO_4, NEVER_ON), ACC_SYNC_4: (MICRO_4, NO_SCATTER),
     }, id="accumulate-sync-never-back-on"),
-    # The result is right (the Blocks' reduce-scatters add up their shards' gradients): only the ledger shows it.
-    pytest.param(ACCUMULATE, answers.ACCUMULATE_ROOT_ONLY, {
-        ACC_SYNC_2: (MICRO_2, "reduce-scatters 2 in micro-batch 1, 2 in micro-batch 2, 3 in micro-batch 3: " + RECURSE),
-        ACC_SYNC_4: (MICRO_4, "reduce-scatters 3 in micro-batch 1, 4 in micro-batch 2: " + RECURSE),
-    }, id="accumulate-recurse-false"),
     pytest.param(ACCUMULATE, answers.ACCUMULATE_GRADS_KEPT, {
         ACC_STEP_2: (MICRO_2, "after the step blocks.0.up.weight.grad still holds the gradient"),
         ACC_STEP_4: (MICRO_4, "the statement asks for the gradients zeroed after the step"),
     }, id="accumulate-grads-kept"),
     pytest.param(ACCUMULATE, answers.ACCUMULATE_NOT_DIVIDED, {
-        ACC_STEP_2: MICRO_2 + "after the step its shard of blocks.0.up.weight (rows 0 to 6 of 13) element [0, 0] is "
-                              "0.22997, expected 0.234917: the update is 3 times too large: divide each micro-batch's "
-                              "loss by K=3",
+        ACC_STEP_2: (MICRO_2, "the update is 3 times too large: divide each micro-batch's loss by K=3"),
         ACC_STEP_4: (MICRO_4, "the update is 2 times too large: divide each micro-batch's loss by K=2"),
     }, id="accumulate-loss-not-divided"),
-    pytest.param(ACCUMULATE, answers.ACCUMULATE_DIVIDED_BY_WORLD, {
-        ACC_STEP_2: (MICRO_2, "the update is 2 times too small: FSDP's reduce-scatter already averages over the 2 "
-                              "ranks; divide the loss by K=3 only"),
-        ACC_STEP_4: (MICRO_4, "the update is 4 times too small: FSDP's reduce-scatter already averages over the 4 "
-                              "ranks; divide the loss by K=2 only"),
-    }, id="accumulate-loss-divided-by-world"),
+    pytest.param(META, answers.META_WITH_TORCH, {
+        name: "raised at cell line 19: RuntimeError: set_model_state_dict is what this exercise asks you to build"
+        for name in (META_BUILT_2, META_VALUES_2, META_BUFFERS_2, META_BUILT_4, META_VALUES_4, META_BUFFERS_4)},
+        id="meta-set-model-state-dict-refused"),
+    pytest.param(META, answers.META_NO_FREQ, {
+        META_BUFFERS_2: ("rank 0, case 1 of 1 (BufferedModel with 2 Blocks): scale.freq element 0 is ", FREQ),
+        META_BUFFERS_4: ("rank 0, case 1 of 1 (BufferedModel with 3 Blocks): scale.freq element 0 is ", FREQ),
+    }, id="meta-computed-buffer-left-empty"),
+    pytest.param(META, answers.META_PARAMETERS_ONLY, {
+        META_BUFFERS_2: ("rank 0, case 1 of 1 (BufferedModel with 2 Blocks): scale.shift element 0 is ",
+                         "expected 0.144601: it is in rank 0's state dict; load it with the parameters"),
+        META_BUFFERS_4: ("scale.shift element 0 is ", "it is in rank 0's state dict; load it with the parameters"),
+    }, id="meta-buffers-not-loaded"),
     pytest.param(META, answers.META_RESET, {
-        META_VALUES_2: "rank 0, case 1 of 1 (ToyModel with 2 Blocks): its shard of blocks.0.up.weight (rows 0 to 6 of "
-                       "13) element [0, 0] is -0.258145, expected -0.0979284: " + RESET,
-        META_VALUES_4: "rank 0, case 1 of 1 (ToyModel with 3 Blocks): its shard of blocks.0.up.weight (rows 0 to 3 of "
-                       "13) element [0, 0] is 0.102497, expected -0.0233148: " + RESET,
+        META_VALUES_2: "rank 0, case 1 of 1 (BufferedModel with 2 Blocks): its shard of blocks.0.up.weight (rows 0 to 6 "
+                       "of 13) element [0, 0] is -0.258145, expected -0.0979284: " + RESET,
+        META_VALUES_4: "rank 0, case 1 of 1 (BufferedModel with 3 Blocks): its shard of blocks.0.up.weight (rows 0 to 3 "
+                       "of 13) element [0, 0] is 0.102497, expected -0.0233148: " + RESET,
+        META_BUFFERS_2: FREQ, META_BUFFERS_4: FREQ,
     }, id="meta-reset-parameters"),
-    # Every rank given {} raises (torch's words, then the driver's); one of them is named, never rank 0.
-    pytest.param(META, answers.META_NO_BROADCAST, {
-        name: NO_BROADCAST for name in (META_BUILT_2, META_VALUES_2, META_BUILT_4, META_VALUES_4)},
-        id="meta-without-broadcast-from-rank0"),
     pytest.param(META, answers.META_ON_CPU, {
-        META_BUILT_2: "rank 0, case 1 of 1 (ToyModel with 2 Blocks): build() made the parameters on the cpu device, "
-                      "so every rank held and initialised the whole model; call it inside `with torch.device('meta'):`",
-        META_BUILT_4: "rank 0, case 1 of 1 (ToyModel with 3 Blocks): build() made the parameters on the cpu device",
-    }, id="meta-built-on-the-cpu"),
-    # The names swapped: the same groups, but fully_shard replicates over dim 0 whatever it is called.
+        META_BUILT_2: "rank 0, case 1 of 1 (BufferedModel with 2 Blocks): build() made the parameters on the cpu "
+                      "device, so every rank held and initialised the whole model; call it inside "
+                      "`with torch.device('meta'):`",
+        META_BUILT_4: "rank 0, case 1 of 1 (BufferedModel with 3 Blocks): build() made the parameters on the cpu device",
+    }, id="meta-built-on-cpu"),
     pytest.param(HSDP, answers.HSDP_NAMES_SWAPPED, {
         HSDP_PLACED: HSDP_CASE + ": blocks.0.up.weight is Replicate() over the dim you named 'shard' (dim 0) and "
                                  "Shard(dim=0) over 'replicate' (dim 1): fully_shard on a 2-D mesh replicates over "
@@ -336,8 +369,8 @@ WRONG = [
 
 
 # The rank a message must start with, where it is not rank 0: one of those that raised.
-NAMED = {answers.SHARD_MESH_OF_2: r"rank [23] raised", answers.META_NO_BROADCAST: r"rank [1-3] raised",
-         answers.SHARD_ROOT_FIRST: r"rank [0-3] raised"}
+NAMED = {answers.SHARD_ROOT_FIRST: r"rank [0-3] raised", answers.SHARD_PAIR_APART: r"rank [0-3] raised",
+         answers.SHARD_BLOCKS_ATTRIBUTE: r"rank [0-3] raised", answers.META_WITH_TORCH: r"rank [0-3] raised"}
 
 
 @pytest.mark.parametrize("exercise_id, source, lost", WRONG)
@@ -349,10 +382,11 @@ def test_wrong_answer_loses_the_right_points_and_says_why(exercise_id, source, l
 
 
 HANGS = [
-    # set_model_state_dict with broadcast_from_rank0 first broadcasts the keys (an object): the others never call it.
+    # The first tensor's broadcast on rank 0 only: the others never call it.
     pytest.param(META, answers.META_LOAD_ON_RANK_0, [
-        "rank 0 is still in your function: it is waiting in broadcast_object_list #1 (world group)",
-        "rank 1 finished your function and waits in the checker's barrier (world group)"], id="load-on-rank-0-only"),
+        "rank 0 is still in your function: it is waiting in broadcast #1 (416 B, world group)",
+        "rank 1 finished your function and waits in the checker's all_gather_single (world group)"],
+        id="load-on-rank-0-only"),
 ]
 
 

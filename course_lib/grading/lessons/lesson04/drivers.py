@@ -12,7 +12,7 @@ import torch
 
 from ...drivers import describe, rank_device, refused
 
-__all__ = ['wrap_model', 'toy_from_weights', 'fsdp_wrap_policy', 'fsdp_flat_shard', 'fsdp_clip', 'fsdp_save', 'fsdp_memory']
+__all__ = ['wrap_model', 'toy_from_weights', 'fsdp_wrap_policy', 'fsdp_flat_shard', 'fsdp_clip', 'fsdp_load', 'fsdp_memory']
 
 
 def _fsdp(model: torch.nn.Module, **kwargs):
@@ -23,25 +23,30 @@ def _fsdp(model: torch.nn.Module, **kwargs):
 
 
 def wrap_model(sizes: dict) -> torch.nn.Module:
-    """04.wrap_policy's model: stem (Linear(features, width) -> ReLU -> Linear(width, dim)), `layers` Blocks
-    (course_lib.models.Block(dim, hidden)), head Linear(dim, out). (batch, features) -> (batch, out)."""
+    """04.wrap_policy's model: embed (Sequential(Linear(features, dim), LayerNorm(dim))), `layers` Blocks
+    (course_lib.models.Block(dim, hidden)), norm LayerNorm(dim), head (Sequential(Linear(dim, dim), ReLU(),
+    Linear(dim, out))); the modules named in sizes["frozen"] have requires_grad=False (a fine-tuning run's
+    pretrained parts). (batch, features) -> (batch, out)."""
     from ....models import Block
 
-    class WrapModel(torch.nn.Module):
-        def __init__(self, features: int, width: int, dim: int, hidden: int, layers: int, out: int):
+    class PartlyFrozen(torch.nn.Module):
+        def __init__(self, features: int, dim: int, hidden: int, layers: int, out: int):
             super().__init__()
-            self.stem = torch.nn.Sequential(torch.nn.Linear(features, width), torch.nn.ReLU(),
-                                            torch.nn.Linear(width, dim))
+            self.embed = torch.nn.Sequential(torch.nn.Linear(features, dim), torch.nn.LayerNorm(dim))
             self.blocks = torch.nn.ModuleList(Block(dim, hidden) for _ in range(layers))
-            self.head = torch.nn.Linear(dim, out)
+            self.norm = torch.nn.LayerNorm(dim)
+            self.head = torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.ReLU(), torch.nn.Linear(dim, out))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            x = self.stem(x)
+            x = self.embed(x)
             for block in self.blocks:
                 x = block(x)
-            return self.head(x)
+            return self.head(self.norm(x))
 
-    return WrapModel(**sizes)
+    model = PartlyFrozen(**{k: v for k, v in sizes.items() if k != "frozen"})
+    for name in sizes.get("frozen", ()):
+        model.get_submodule(name).requires_grad_(False)
+    return model
 
 
 def toy_from_weights(sizes: dict, weights: dict) -> torch.nn.Module:
@@ -72,24 +77,78 @@ def _sgd(fsdp_model, steps: list, lr: float) -> None:
         optimizer.step()
 
 
+def _unit_being_built(tb, names: dict) -> str | None:
+    """The name (in the plain model) of the module FSDP was wrapping when it raised: the innermost
+    FullyShardedDataParallel.__init__ frame's `module`; None if there is none."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    found = None
+    while tb is not None:
+        local = tb.tb_frame.f_locals
+        if tb.tb_frame.f_code.co_name == "__init__" and isinstance(local.get("self"), FSDP):
+            found = names.get(id(local.get("module")), found)
+        tb = tb.tb_next
+    return found
+
+
+def _mixed_unit(exc: Exception, model: torch.nn.Module, names: dict) -> Exception | None:
+    """A clearer error for FSDP1's refusal of a unit holding frozen and trainable parameters (torch's words
+    name neither the unit nor the parameters); None if `exc` is not that refusal."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if "uniform `requires_grad`" not in str(exc):
+        return None
+    name = _unit_being_built(exc.__traceback__, names)
+    if name is None:
+        return None
+    module = model.get_submodule(name) if name else model
+
+    def left(prefix, m):  # the parameters no unit below holds (a wrapped child is an FSDP instance by now)
+        for n, p in m.named_parameters(prefix=prefix, recurse=False):
+            yield n, p
+        for child_name, child in m.named_children():
+            if not isinstance(child, FSDP):
+                yield from left(f"{prefix}.{child_name}" if prefix else child_name, child)
+
+    held = list(left(name, module))
+    frozen = [n for n, p in held if not p.requires_grad]
+    trainable = [n for n, p in held if p.requires_grad]
+    unit = f"the unit {name}" if name else "the root's unit"
+    return ValueError(
+        f"{str(exc).splitlines()[0]}: {unit} would hold frozen {', '.join(frozen[:3])} and trainable "
+        f"{', '.join(trainable[:3])} in one FlatParameter, which has one requires_grad; a frozen module needs a "
+        "unit of its own (FSDP asks about it before its parent)")
+
+
 def fsdp_wrap_policy(fn: Callable, sizes: dict, weights: dict, inputs: torch.Tensor, targets: torch.Tensor,
                      lr: float) -> dict:
     """FSDP(wrap_model(sizes), auto_wrap_policy=fn), then one SGD(lr) step on this rank's shard of the batch.
-    Send back the names of the modules that became FSDP units and the whole parameters after the step."""
+    Send back the names of the modules that became FSDP units, how many parameters each holds (0: a unit of
+    nothing) and the whole parameters after the step."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     from ....measure.sharding import clean_name
 
     model = wrap_model(sizes)
     model.load_state_dict(weights)
+    names = {id(m): name for name, m in model.named_modules()}
 
     def policy(module, recurse, nonwrapped_numel):  # FSDP calls it with keywords: not the learner's names
         return fn(module, recurse, nonwrapped_numel)
 
-    fsdp_model = _fsdp(model, auto_wrap_policy=policy)
-    units = [clean_name(name) for name, module in fsdp_model.named_modules() if isinstance(module, FSDP)]
+    try:
+        fsdp_model = _fsdp(model, auto_wrap_policy=policy)
+    except ValueError as exc:
+        explained = _mixed_unit(exc, model, names)
+        if explained is None:
+            raise
+        raise explained from exc
+    wrapped = [(clean_name(name), module) for name, module in fsdp_model.named_modules() if isinstance(module, FSDP)]
+    units = [name for name, _ in wrapped]
+    held = {name: 0 if module._handle is None else int(module._handle.flat_param._unpadded_unsharded_size.numel())
+            for name, module in wrapped}
     _sgd(fsdp_model, [(inputs, targets)], lr)
-    return {"units": units, "params": _full_params(fsdp_model)}
+    return {"units": units, "held": held, "params": _full_params(fsdp_model)}
 
 
 def fsdp_flat_shard(fn: Callable, shapes: list) -> dict:
@@ -167,71 +226,59 @@ def fsdp_clip(fn: Callable, sizes: dict, weights: dict, inputs: torch.Tensor, ta
     return {"norm": norm, "local_norm": float(local), "flats": flats, "params": _full_params(fsdp_model)}
 
 
-def _describe_file(path: str) -> dict | None:
-    """What a file holds, as plain data: its bytes and, read here (in the learner's process, where its
-    classes live), its keys and value types. None if there is no file."""
-    import os
+def _held_pieces(fsdp_model) -> dict:
+    """{name: {"first": flat index, "values": ...}}: the piece of each original parameter this rank's FlatParameter
+    shards hold (FlatParameter metadata; no collective)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    if not os.path.isfile(path):
-        return None
-    with open(path, "rb") as handle:
-        data = handle.read()
-    described = {"bytes": torch.frombuffer(bytearray(data), dtype=torch.uint8) if data
-                 else torch.zeros(0, dtype=torch.uint8)}
-    try:
-        state = torch.load(path, weights_only=False)
-    except Exception as exc:  # noqa: BLE001 - not a file torch.save wrote
-        described["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
-        return described
-    if isinstance(state, dict):
-        described["keys"] = [str(k) for k in state]
-        described["types"] = sorted({type(v).__name__ for v in state.values()})
-    else:
-        described["type"] = describe(state)
-    return described
+    from ....measure.sharding import clean_name
+
+    pieces = {}
+    for prefix, module in fsdp_model.named_modules():
+        if not isinstance(module, FSDP) or module._handle is None:
+            continue
+        flat, prefix = module._handle.flat_param, clean_name(prefix)
+        for fqn, info in zip(flat._fqns, flat._shard_param_infos):
+            if info.in_shard:
+                start = info.offset_in_shard
+                pieces[f"{prefix}.{fqn}" if prefix else fqn] = {
+                    "first": int(info.intra_param_start_idx),
+                    "values": flat.detach()[start:start + info.numel_in_shard].cpu().clone()}
+    return pieces
 
 
-def fsdp_save(fn: Callable, sizes: dict, weights: dict, steps: list, lr: float, file_name: str) -> dict:
-    """FSDP(ToyModel, one unit per Block) takes one SGD(lr) step per (inputs, targets) of `steps` (this
-    rank's shard); then fn(fsdp_model, path), `path` being `file_name` in a folder of this rank's own.
-    Send back what each rank finds at its path right after fn returns, and what each state_dict() call on the
-    model gave this rank."""
+# What 04.full_state_dict asks the learner to build: the distributed state dict's loaders, refused while it runs.
+_LOADERS = tuple(("torch.distributed.checkpoint.state_dict", name, name) for name in
+                 ("set_model_state_dict", "set_state_dict"))
+
+
+def fsdp_load(fn: Callable, sizes: dict, weights: dict, policy: str, checkpoint: dict, file_name: str) -> dict:
+    """ToyModel(sizes) holding `weights`, wrapped with one unit per Linear (`policy` "linears") or the root only
+    ("root"); rank 0 alone finds `checkpoint` saved at its path (`file_name` in a folder of each rank's own: the
+    others' paths hold no file, as on nodes with disks of their own); then fn(fsdp_model, path) on every rank.
+    Send back the piece of each parameter this rank's shards hold afterwards."""
     import os
 
     import torch.distributed as dist
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    from ....models import Block
-
-    fsdp_model = _fsdp(toy_from_weights(sizes, weights), auto_wrap_policy=ModuleWrapPolicy({Block}))
-    _sgd(fsdp_model, [tuple(pair) for pair in steps], lr)
+    wrap = {"linears": {"auto_wrap_policy": ModuleWrapPolicy({torch.nn.Linear})}, "root": {}}[policy]
+    fsdp_model = _fsdp(toy_from_weights(sizes, weights), **wrap)
     folder = os.path.join(os.getcwd(), f"rank{dist.get_rank()}")
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, file_name)
-    built = []  # what each state_dict() call gave this rank: its kind and how many entries
-    plain_state_dict = fsdp_model.state_dict
-
-    def state_dict(*args, **kwargs):
-        state = plain_state_dict(*args, **kwargs)
-        kind = getattr(fsdp_model, "_state_dict_type", None)
-        built.append({"type": getattr(kind, "name", str(kind)), "entries": len(state)})
-        return state
-
-    fsdp_model.state_dict = state_dict  # an instance attribute: every model.state_dict() call passes here
+    if dist.get_rank() == 0:
+        torch.save(checkpoint, path)
     try:
-        returned = fn(fsdp_model, path)
-    except RuntimeError as exc:
-        # NOTE: FullStateDictConfig(offload_to_cpu=True) on a model already on the CPU frees the gathered
-        # parameters before state_dict() reads them (torch 2.13: https://github.com/pytorch/pytorch/issues/188989);
-        # torch's message names only a storage size.
-        if "out of bounds for storage of size 0" not in str(exc):
-            raise
-        raise RuntimeError(f"{str(exc).splitlines()[0]}: FullStateDictConfig(offload_to_cpu=True) on a model on the "
-                           "CPU frees the gathered parameters before they are read (pytorch/pytorch#188989); "
-                           "offload only from a GPU (offload_to_cpu=False here)") from exc
-    finally:
-        del fsdp_model.state_dict
-    return {"file": _describe_file(path), "returned": describe(returned), "built": built}
+        with refused(*_LOADERS):
+            returned = fn(fsdp_model, path)
+    except FileNotFoundError as exc:
+        # torch's words name this run's temporary folder: the file's name is enough
+        raise FileNotFoundError(
+            f"no file {os.path.basename(path)} on rank {dist.get_rank()}: the file is on rank 0's disk only (each "
+            "rank here has a folder of its own, as nodes have disks of their own); rank 0 reads it and sends each "
+            "tensor") from exc
+    return {"pieces": _held_pieces(fsdp_model), "returned": describe(returned)}
 
 
 def _shapes_model(units: list) -> tuple:

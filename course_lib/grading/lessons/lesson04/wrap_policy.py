@@ -1,13 +1,13 @@
-"""04.wrap_policy: an auto-wrap policy of the learner's own; graded by the units FSDP built and one SGD step."""
+"""04.wrap_policy: an auto-wrap policy for a partly frozen model (FSDP1 refuses a unit mixing frozen and trainable
+parameters with use_orig_params=False); graded by the units FSDP built and one SGD step."""
 
 from __future__ import annotations
 
+from ...compare import each_result
 from ...spec import Exercise, Item, RunOutcome, RunSpec
 from .common import FSDP1_OPS, FSDP_PRELOAD, LR, compare_params, draw_batch, draw_weights, sgd_reference
 
-__all__ = ["MIN_NUMEL", "WRAP_A", "WRAP_B", "WRAP_POLICY", "expected_units", "linear_sizes"]
-
-MIN_NUMEL = 1000  # 04.wrap_policy: a Linear outside a Block with at least this many parameters is a unit
+__all__ = ["WRAP_A", "WRAP_B", "WRAP_POLICY", "expected_units"]
 
 
 def _policy_case(n: int, sizes: dict, weights_seed: int, rows: int, batch_seed: int) -> dict[int, tuple]:
@@ -19,106 +19,94 @@ def _policy_case(n: int, sizes: dict, weights_seed: int, rows: int, batch_seed: 
             for r in range(n)}
 
 
-def linear_sizes(sizes: dict) -> dict[str, tuple[int, bool]]:
-    """{name: (parameters, inside a Block)} of every Linear of wrap_model(sizes)."""
-    import torch
+def _own(module) -> list:
+    return list(module.parameters(recurse=False))
 
+
+def expected_units(sizes: dict) -> list[str]:
+    """The FSDP units of wrap_model(sizes), in module order: the root (""), every Block, and every module whose
+    own parameters (recurse=False) are all frozen: FSDP asks children before parents, so a frozen module is a unit
+    before its parent is asked, and a parent left with nothing to hold is not one."""
     from ....models import Block
     from .drivers import wrap_model
 
-    model = wrap_model(sizes)
-    inside = {f"{name}.{child}" for name, m in model.named_modules() if isinstance(m, Block)
-              for child, _ in m.named_modules() if child}
-    return {name: (sum(p.numel() for p in m.parameters()), name in inside)
-            for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-
-
-def expected_units(sizes: dict, min_numel: int = MIN_NUMEL, strictly_more: bool = False) -> list[str]:
-    """The FSDP units of wrap_model(sizes) under the policy's rule: the root (""), every Block, every Linear
-    outside a Block with at least `min_numel` parameters (more than, with `strictly_more`), in module order."""
-    from ....models import Block
-    from .drivers import wrap_model
-
-    linears = linear_sizes(sizes)
-    units = []
-    for name, module in wrap_model(sizes).named_modules():
-        numel, inside = linears.get(name, (0, True))
-        big = numel > min_numel if strictly_more else numel >= min_numel
-        if name == "" or isinstance(module, Block) or (name in linears and not inside and big):
-            units.append(name)
-    return units
+    return [name for name, module in wrap_model(sizes).named_modules()
+            if name == "" or isinstance(module, Block) or (_own(module) and not any(p.requires_grad
+                                                                                  for p in _own(module)))]
 
 
 def _policy_label(outcome: RunOutcome, case: int) -> str:
     sizes = outcome.inputs[case][0][0]
-    return (f"case {case + 1} of {len(outcome.inputs)} ({sizes['layers']} Blocks, "
-            f"stem.0 Linear({sizes['features']}, {sizes['width']}), head Linear({sizes['dim']}, {sizes['out']}))")
+    return f"case {case + 1} of {len(outcome.inputs)} ({sizes['layers']} Blocks, frozen: {', '.join(sizes['frozen'])})"
 
 
-def _units_hint(got: list[str], sizes: dict) -> str:
-    linears = linear_sizes(sizes)
+def _units_hint(got: list[str], held: dict, sizes: dict) -> str:
+    from .drivers import wrap_model
+
+    model = wrap_model(sizes)
     expected = expected_units(sizes)
-    missing = [name for name in expected if name not in got]
     extra = [name for name in got if name not in expected]
-    if got == [""]:
-        return ("only the root is a unit: FSDP first asks the policy with recurse=True whether to look inside a "
-                "module (nonwrapped_numel is then everything below it); return True there, and decide with "
-                "recurse=False")
-    if got == expected_units(sizes, strictly_more=True):
-        exact = [name for name in missing if linears.get(name, (0,))[0] == MIN_NUMEL]
-        return (f"{exact[0]} has exactly {MIN_NUMEL} parameters: 'at least' is nonwrapped_numel >= MIN_NUMEL, "
-                "not >")
-    inside = [name for name in extra if linears.get(name, (0, False))[1]]
-    small = [name for name in extra if name in linears and not linears[name][1]]
-    if inside:
-        return (f"{inside[0]} is a Linear inside a Block ({linears[inside[0]][0]} parameters): its Block's unit "
-                f"holds it; wrap a Linear only with at least {MIN_NUMEL} parameters, and Blocks whatever their size")
-    if small:
-        return (f"{small[0]} has {linears[small[0]][0]} parameters, fewer than {MIN_NUMEL}: leave it to its parent's "
-                "unit")
-    blocks = [name for name in missing if name.startswith("blocks.")]
+    missing = [name for name in expected if name not in got]
+    empty = [name for name in extra if held.get(name) == 0]
+    if empty:
+        module = model.get_submodule(empty[0])
+        if list(module.parameters()):
+            what = "has nothing left to hold (its children are units already, their FlatParameters frozen)"
+        else:
+            what = "has no parameters (all(...) over none is True)"
+        return (f"{empty[0]} ({type(module).__name__}) {what}, yet it became a unit of 0 parameters: a module "
+                "with nonwrapped_numel 0 is not a unit")
+    trainable = [name for name in extra if any(p.requires_grad for p in model.get_submodule(name).parameters())]
+    if trainable:
+        return (f"{trainable[0]} is trainable and not a Block: the root's unit holds it (only Blocks and frozen "
+                "modules are units)")
+    blocks = [name for name in missing if name.startswith("blocks.") and name.count(".") == 1]
     if blocks:
-        return f"{blocks[0]} is a Block: every Block must be a unit of its own (isinstance(module, Block))"
+        return (f"{blocks[0]} is a Block: every Block must be a unit of its own; FSDP asks whether to make a "
+                "module a unit (recurse=False) only if it was let inside it (recurse=True)")
     return f"missing {', '.join(missing) or 'none'}; not expected {', '.join(extra) or 'none'}"
 
 
 def _units(outcome: RunOutcome) -> list[str]:
     """The modules that became FSDP units (FSDP.fsdp_modules, named as in the plain model) are the expected ones."""
-    for case, by_rank in enumerate(outcome.results):
+    for case, rank, result in each_result(outcome):
         sizes = outcome.inputs[case][0][0]
         expected = expected_units(sizes)
-        for rank, result in sorted(by_rank.items()):
-            got = result.output["units"]
-            if got == expected:
-                continue
-            shown = lambda names: "[" + ", ".join(repr(n) for n in names) + "]"  # noqa: E731
-            return [f"rank {rank}, {_policy_label(outcome, case)}: the FSDP units are {shown(got)}, expected "
-                    f"{shown(expected)}: {_units_hint(got, sizes)}"]
+        got = result.output["units"]
+        if got == expected:
+            continue
+        shown = lambda names: "[" + ", ".join(repr(n) for n in names) + "]"  # noqa: E731
+        return [f"rank {rank}, {_policy_label(outcome, case)}: the FSDP units are {shown(got)}, expected "
+                f"{shown(expected)}: {_units_hint(got, result.output['held'], sizes)}"]
     return []
 
 
 def _policy_trained(outcome: RunOutcome) -> list[str]:
-    """After one SGD step every rank's whole parameters equal one process's step on the whole batch."""
+    """After one SGD step every rank's whole parameters equal one process's step on the whole batch (the frozen
+    ones unchanged)."""
     import torch
 
     from .drivers import wrap_model
 
-    for case, by_rank in enumerate(outcome.results):
-        sizes, weights, _, _, lr = outcome.inputs[case][0]
-        inputs = torch.cat([outcome.inputs[case][r][2] for r in range(outcome.nproc)])
-        targets = torch.cat([outcome.inputs[case][r][3] for r in range(outcome.nproc)])
-        model = wrap_model(sizes)
-        model.load_state_dict(weights)
-        expected = sgd_reference(model, [(inputs, targets)], lr)
-        for rank, result in sorted(by_rank.items()):
-            wrong = compare_params(result.output["params"], expected, f"rank {rank}, {_policy_label(outcome, case)}")
-            if wrong:
-                return [wrong]
+    expected = {}
+    for case, rank, result in each_result(outcome):
+        if case not in expected:
+            sizes, weights, _, _, lr = outcome.inputs[case][0]
+            inputs = torch.cat([outcome.inputs[case][r][2] for r in range(outcome.nproc)])
+            targets = torch.cat([outcome.inputs[case][r][3] for r in range(outcome.nproc)])
+            model = wrap_model(sizes)
+            model.load_state_dict(weights)
+            expected[case] = sgd_reference(model, [(inputs, targets)], lr)
+        wrong = compare_params(result.output["params"], expected[case], f"rank {rank}, {_policy_label(outcome, case)}")
+        if wrong:
+            return [wrong]
     return []
 
 
-WRAP_A = {"features": 9, "width": 100, "dim": 8, "hidden": 13, "layers": 2, "out": 5}  # stem.0: exactly 1000
-WRAP_B = {"features": 26, "width": 37, "dim": 8, "hidden": 13, "layers": 3, "out": 120}  # stem.0: 999, head: 1080
+# embed.0 and embed.1 frozen in both: two units, not embed (left with nothing); the norm frozen in A, trainable in
+# B; in B a Linear inside a Block is frozen (blocks.0.up: a unit inside its Block's).
+WRAP_A = {"features": 6, "dim": 8, "hidden": 13, "layers": 2, "out": 5, "frozen": ["embed", "norm"]}
+WRAP_B = {"features": 7, "dim": 8, "hidden": 12, "layers": 3, "out": 4, "frozen": ["embed", "blocks.0.up"]}
 
 WRAP_POLICY = Exercise(
     id="04.wrap_policy",
@@ -129,22 +117,21 @@ WRAP_POLICY = Exercise(
     preload=FSDP_PRELOAD,
     runs=(
         RunSpec(2, lambda n: [_policy_case(n, WRAP_A, 41, 2, 141)],
-                (Item("the FSDP units: the root, each Block, stem.0 with exactly 1000 parameters (2 ranks)", 1,
-                      _units),
+                (Item("the FSDP units: the root, each Block, embed.0, embed.1 and norm (2 ranks)", 1, _units),
                  Item("one SGD step equals one process on the whole batch (2 ranks)", 1, _policy_trained)),
                 timeout_s=10),
         RunSpec(3, lambda n: [_policy_case(n, WRAP_B, 42, 2, 142)],
-                (Item("the FSDP units: the root, each Block, the head with 1080 parameters (3 ranks)", 1, _units),
+                (Item("the FSDP units: the root, each Block, embed.0, embed.1 and blocks.0.up (3 ranks)", 1,
+                      _units),
                  Item("one SGD step equals one process on the whole batch (3 ranks)", 1, _policy_trained)),
                 timeout_s=10),
     ),
     hints=(
-        "Reread lesson 04, section 6 'Wrap policies and the peak' (the custom policy, and how FSDP walks the "
-        "module tree asking it).",
-        "A callable auto_wrap_policy(module, recurse, nonwrapped_numel), as FullyShardedDataParallel calls "
-        "it; isinstance with course_lib.models.Block and torch.nn.Linear.",
-        "FSDP asks about each module twice: first whether to look inside it (it must look everywhere to reach"
-        " the modules you want), then, once its children are done, whether to make it a unit; answer that "
-        "second question from the module's type and from the parameters no unit below has taken.",
+        "Reread lesson 04, section 6 'Wrap policies and the peak' (how FSDP walks the module tree asking the "
+        "policy), and the appendix on options (frozen and trainable parameters in one unit).",
+        "A parameter's requires_grad; module.parameters(recurse=False); nonwrapped_numel.",
+        "FSDP asks about each module twice: first whether to look inside it (it must look everywhere), then, once "
+        "its children are done, whether to make it a unit; answer that second question from the module's type and "
+        "its own parameters, and never for a module that has nothing left to hold.",
     ),
 )

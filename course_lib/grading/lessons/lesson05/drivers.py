@@ -11,10 +11,10 @@ from typing import Callable
 
 import torch
 
-from ...drivers import describe, rank_device
+from ...drivers import describe, rank_device, refused
 
-__all__ = ["fsdp2_accumulation", "fsdp2_hsdp", "fsdp2_meta_init", "fsdp2_shard", "placements_of", "toy_from_weights",
-           "two_layers", "zero3_linear"]
+__all__ = ["buffered_model", "fsdp2_accumulation", "fsdp2_hsdp", "fsdp2_meta_init", "fsdp2_shard", "placements_of",
+           "tied_model", "toy_from_weights", "two_layers", "zero3_linear"]
 
 
 def toy_from_weights(sizes: dict, weights: dict) -> torch.nn.Module:
@@ -96,8 +96,8 @@ def _explained_sharding_error(exc: Exception, model: torch.nn.Module) -> Excepti
         return RuntimeError(
             f"{said}: fully_shard(model) ran before fully_shard on the Blocks. The root's call already made every "
             "parameter below it, the Blocks' too, a DTensor of the root's group; fully_shard on a Block then takes "
-            "those DTensors for tensor-parallel ones and fails. Shard bottom up: each Block first, the root last "
-            "(it keeps only the parameters no Block took)")
+            "those DTensors for tensor-parallel ones and fails. Shard bottom up: the root last "
+            "(it keeps only the parameters no group below took)")
     mesh = _mesh_in(exc.__traceback__)
     if mesh is not None and dist.is_initialized():
         ranks = mesh.mesh.flatten().tolist()
@@ -110,17 +110,45 @@ def _explained_sharding_error(exc: Exception, model: torch.nn.Module) -> Excepti
     return None
 
 
+def tied_model(sizes: dict) -> torch.nn.Module:
+    """05.shard_bottom_up's model: embed = Embedding(vocab, dim); stages, a ModuleList of Sequentials of
+    Block(dim, hidden) (`sizes["stages"]` Blocks each); norm = LayerNorm(dim); head = Linear(dim, vocab,
+    bias=False) whose weight IS embed.weight (tied). (batch,) token ids -> (batch, vocab)."""
+    from ....models import Block
+
+    class TiedModel(torch.nn.Module):
+        def __init__(self, vocab: int, dim: int, hidden: int, stages: list):
+            super().__init__()
+            self.embed = torch.nn.Embedding(vocab, dim)
+            self.stages = torch.nn.ModuleList(torch.nn.Sequential(*(Block(dim, hidden) for _ in range(count)))
+                                              for count in stages)
+            self.norm = torch.nn.LayerNorm(dim)
+            self.head = torch.nn.Linear(dim, vocab, bias=False)
+            self.head.weight = self.embed.weight  # one Parameter, two modules
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            x = self.embed(tokens)
+            for stage in self.stages:
+                x = stage(x)
+            return self.head(self.norm(x))
+
+    return TiedModel(**sizes)
+
+
 def fsdp2_shard(fn: Callable, sizes: dict, weights: dict, inputs: torch.Tensor, targets: torch.Tensor,
                 lr: float) -> dict:
-    """fn(model) applies fully_shard to ToyModel(**sizes) holding `weights`; then one SGD(lr) step on this rank's
-    rows. Send back the modules that are FSDP modules, every parameter's type and placements, when the forward
-    ran (to find its all-gathers in the ledger) and this rank's rows of each parameter after the step."""
+    """fn(model) applies fully_shard to tied_model(sizes) holding `weights`; then one SGD(lr) step on this rank's
+    rows. Send back the modules that are FSDP modules, which of them share one FSDP state (a group made by one
+    fully_shard call), whether the tie survived, every parameter's type and placements, when the forward ran (to
+    find its all-gathers in the ledger) and this rank's rows of each parameter after the step."""
     import time
 
     from torch.distributed.fsdp import FSDPModule
 
     device = rank_device()
-    model = toy_from_weights(sizes, weights).to(device)
+    model = tied_model(sizes)
+    model.load_state_dict(weights)
+    model = model.to(device)
     inputs, targets = inputs.to(device), targets.to(device)
     try:
         returned = fn(model)
@@ -129,16 +157,28 @@ def fsdp2_shard(fn: Callable, sizes: dict, weights: dict, inputs: torch.Tensor, 
         if explained is None:
             raise
         raise explained from exc
-    units = [name for name, module in model.named_modules() if isinstance(module, FSDPModule)]
+    named = [(name, module) for name, module in model.named_modules() if isinstance(module, FSDPModule)]
+    states = [id(module._get_fsdp_state()) for _, module in named]
+    groups = [[name for (name, _), state in zip(named, states) if state == key] for key in dict.fromkeys(states)]
     described = placements_of(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     started = time.monotonic()
-    outputs = model(inputs)
+    try:
+        outputs = model(inputs)
+    except ValueError as exc:
+        # torch checks for a Parameter held by two groups in the root's lazy init, i.e. at the first forward,
+        # not in fully_shard: embed and head sharded one after the other fail here
+        if "already managed by another FSDP group" not in str(exc):
+            raise
+        raise RuntimeError(
+            f"{str(exc).split('. ')[0]}: embed and head hold one Parameter; fully_shard(model.embed) put it in "
+            "embed's group and fully_shard(model.head) made a second group holding it too (torch finds that at the "
+            "first forward). Shard the tied pair by one call, together") from exc
     forward = [started, time.monotonic()]
     torch.nn.functional.mse_loss(outputs, targets).backward()
     optimizer.step()
-    return {"units": units, "params": described, "forward": forward, "shards": _local_shards(model),
-            "returned": describe(returned)}
+    return {"units": [name for name, _ in named], "groups": groups, "tied": model.head.weight is model.embed.weight,
+            "params": described, "forward": forward, "shards": _local_shards(model), "returned": describe(returned)}
 
 
 def two_layers(features: int, hidden: int, out: int) -> torch.nn.Module:
@@ -295,27 +335,71 @@ def fsdp2_accumulation(fn: Callable, sizes: dict, weights: dict, micro_batches: 
     model.register_forward_pre_hook(lambda module, args: starts.append(time.monotonic()), prepend=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     returned = fn(model, optimizer, [tuple(t.to(device) for t in pair) for pair in micro_batches])
+    # A group left unsharded has its whole parameters registered on the module, plain tensors, not DTensors.
+    from torch.distributed.tensor import DTensor
+
+    gathered = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
     # The statement asks for the gradients zeroed after the step: None, or all zeros.
-    kept = [name for name, p in model.named_parameters() if p.grad is not None and bool(p.grad.to_local().any())]
-    return {"shards": _local_shards(model), "starts": starts, "returned": describe(returned), "grads_kept": kept}
+    kept = [name for name, p in model.named_parameters() if p.grad is not None and bool(
+        (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).any())]
+    return {"shards": _local_shards(model), "starts": starts, "returned": describe(returned), "grads_kept": kept,
+            "gathered": gathered}
 
 
-def fsdp2_meta_init(fn: Callable, sizes: dict, full_state: dict, seed: int) -> dict:
-    """fn(build, full_state) builds ToyModel(**sizes) with `build()`, shards it and fills it from rank 0's
+def buffered_model(sizes: dict) -> torch.nn.Module:
+    """05.meta_init_broadcast's model: scale (a Scale(dim): x * freq + shift), `layers` Blocks (`blocks`), head
+    Linear(dim, out). `scale.freq` = FREQ_BASE ** (-arange(dim) / dim), a buffer outside the state dict
+    (persistent=False, computed in __init__); `scale.shift`, a buffer in it. (batch, dim) -> (batch, out)."""
+    from ....models import Block
+
+    class Scale(torch.nn.Module):
+        def __init__(self, dim: int):
+            super().__init__()
+            self.register_buffer("freq", FREQ_BASE ** (-torch.arange(dim, dtype=torch.float32) / dim),
+                                 persistent=False)
+            self.register_buffer("shift", torch.zeros(dim))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.freq + self.shift
+
+    class BufferedModel(torch.nn.Module):
+        def __init__(self, dim: int, hidden: int, layers: int, out: int):
+            super().__init__()
+            self.scale = Scale(dim)
+            self.blocks = torch.nn.ModuleList(Block(dim, hidden) for _ in range(layers))
+            self.head = torch.nn.Linear(dim, out)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.scale(x)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    return BufferedModel(**sizes)
+
+
+FREQ_BASE = 100.0  # scale.freq's base
+# What 05.meta_init_broadcast asks the learner to build: the distributed state dict's loaders, refused while it runs.
+_LOADERS = tuple(("torch.distributed.checkpoint.state_dict", name, name) for name in
+                 ("set_model_state_dict", "set_state_dict"))
+
+
+def fsdp2_meta_init(fn: Callable, sizes: dict, full_state: dict, seed: int, inputs: torch.Tensor) -> dict:
+    """fn(build, full_state) builds buffered_model(sizes) with `build()`, shards it and fills it from rank 0's
     `full_state` ({} on the other ranks); every rank's random state is seeded with `seed` first, as a training
-    script would. Send back the device build() made its parameters on, and the returned model's parameters."""
-    from ....models import ToyModel
-
+    script would. Send back the device build() made its parameters on, the returned model's parameters, its
+    buffers and its output on `inputs`."""
     built_on: list[str] = []
 
     def build() -> torch.nn.Module:
-        model = ToyModel(**sizes)
+        model = buffered_model(sizes)
         built_on.append(next(model.parameters()).device.type)
         return model
 
     torch.manual_seed(seed)
     try:
-        model = fn(build, {name: value.clone() for name, value in full_state.items()})
+        with refused(*_LOADERS):
+            model = fn(build, {name: value.clone() for name, value in full_state.items()})
     except RuntimeError as exc:
         # torch's words on a rank given {} without broadcast_from_rank0 name neither the rank's role nor the option.
         if "state_dict is empty" not in str(exc):
@@ -325,4 +409,9 @@ def fsdp2_meta_init(fn: Callable, sizes: dict, full_state: dict, seed: int) -> d
                            "broadcast each tensor, and every rank keeps its own rows of it") from exc
     if not isinstance(model, torch.nn.Module):
         return {"built_on": built_on, "returned": describe(model)}
-    return {"built_on": built_on, "params": placements_of(model), "shards": _local_shards(model)}
+    described, shards = placements_of(model), _local_shards(model)  # before the forward: the root stays gathered
+    buffers = {name: b.detach().cpu().clone() for name, b in model.named_buffers()}
+    with torch.no_grad():
+        outputs = model(inputs.to(rank_device())).detach().cpu().clone() if all(
+            b.device.type != "meta" for b in model.buffers()) else None
+    return {"built_on": built_on, "params": described, "shards": shards, "buffers": buffers, "outputs": outputs}
