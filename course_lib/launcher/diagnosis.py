@@ -7,6 +7,12 @@ turns them into lines such as
     ranks 0, 2, 3 are waiting in all_reduce #7 (4 KiB, world group)
     rank 1 last completed broadcast #6 (world group) and is running Python at cell line 12
 
+A rank still importing before its first collective is "still starting up", not stuck.
+After an interrupt (the learner's Stop) `rank_where` gives one rank's place instead:
+
+    starting up (importing torch at cell line 2)
+    at cell line 12, waiting in all_reduce #7 (4 KiB, world group)
+
 When a rank exits early, its peers' next collective fails with the backend's
 raw words ("Connection closed by peer"). `first_failure` names the rank to
 blame and `consequences` says that the others' errors follow from it:
