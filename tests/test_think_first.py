@@ -362,3 +362,5 @@ def test_long_check_lines_wrap_at_100_columns_between_words_indented_under_their
     assert first.startswith("hint 1 of 1: ") and rest and all(line.startswith("    ") for line in rest)
     assert max(map(len, hint.splitlines())) <= 100
     assert item_line(ItemResult("short", 1.0, 1.0)) == "  pass  short (1/1)"
+    # The score stays with the name's last words, not alone on a line.
+    assert item_line(ItemResult("x" * 88 + " end", 1.0, 1.0)).splitlines() == ["  pass  " + "x" * 88, " " * 8 + "end (1/1)"]

@@ -30,7 +30,9 @@ def score_text(score: float, max_score: float) -> str:
 def item_line(item: ItemResult) -> str:
     """`  pass  name (1/1)`, or `  FAIL  name (0/1)` with the reason on the next line."""
     mark = "pass" if item.passed else "FAIL"
-    text = wrapped(f"{item.name} ({score_text(item.score, item.max_score)})", f"  {mark}  ", MESSAGE_INDENT)
+    # A no-break space (textwrap breaks only at ASCII whitespace) keeps the score on its name's last line.
+    name = f"{item.name}\N{NO-BREAK SPACE}({score_text(item.score, item.max_score)})"
+    text = wrapped(name, f"  {mark}  ", MESSAGE_INDENT).replace("\N{NO-BREAK SPACE}", " ")
     if item.message:
         text += "\n" + wrapped(item.message, MESSAGE_INDENT, MESSAGE_INDENT)
     return text
