@@ -489,10 +489,16 @@ def test_interrupt_not_answered_inside_a_collective_kills_the_pool(kernel):
     assert cell.status == "error"
     assert_one_line_interrupt(cell)
     out = lines(cell)
-    assert out[-2] == f"stuck: rank 0 is waiting in all_reduce #{seq} (8 B, world group)"
+    assert out[-3] == f"stuck: rank 0 is waiting in all_reduce #{seq} (8 B, world group)"
     # ("ranks 0 did not answer": the wording bug has its own test below)
-    assert re.fullmatch(r"interrupted; ranks? 0 did not answer the interrupt; " + re.escape(STOPPED), out[-1]), out[-1]
+    assert re.fullmatch(r"interrupted; ranks? 0 did not answer the interrupt; " + re.escape(STOPPED), out[-2]), out[-2]
+    # Rank 0's stack goes to a file the cell names, not into the cell.
+    saved = re.fullmatch(r"\(the ranks' Python stacks, for whoever debugs the course: (\S+)\)", out[-1])
+    assert saved, out[-1]
+    assert 'File "<cell>"' in pathlib.Path(saved.group(1)).read_text()
+    pathlib.Path(saved.group(1)).unlink()
     assert "[rank 1] KeyboardInterrupt" in lines(cell, "stderr")  # rank 1 did answer
+    assert not any("Python stack" in line for line in lines(cell, "stderr"))
     kernel.assert_nothing_left()
     assert_next_cell_restarts(kernel, "interrupt not answered")
 

@@ -1,8 +1,10 @@
-"""`make install` turns on JupyterLab's saving of widget state (course_lib/doctor/lab_settings.py), as JupyterLab reads it.
+"""`make install` turns on JupyterLab's saving of widget state and turns off its news toast
+(course_lib/doctor/lab_settings.py), as JupyterLab reads them.
 
 The install recipe's own command lines, taken from the Makefile, run against a
 temporary venv folder; jupyterlab_server, which serves JupyterLab its settings,
-must then report `saveState` on for the widget manager (off without the file).
+must then report `saveState` on for the widget manager (off without the file)
+and `fetchNews` "false" for the notifications (without the file "none": ask, with a toast).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import shlex
 import subprocess
 import sys
 
-from course_lib.doctor.lab_settings import PLUGIN
+from course_lib.doctor.lab_settings import NEWS_PLUGIN, PLUGIN
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MAKEFILE = (ROOT / "Makefile").read_text()
@@ -45,15 +47,28 @@ def _save_state_default(settings_dir: pathlib.Path) -> bool:
     return found["schema"]["properties"]["saveState"]["default"]
 
 
+def _fetch_news_default(settings_dir: pathlib.Path) -> str:
+    """`fetchNews`'s default as JupyterLab's settings API serves it, from JupyterLab's own schema folder."""
+    from jupyterlab.labapp import LabApp
+    from jupyterlab_server.settings_utils import get_settings
+
+    schemas = LabApp().schemas_dir  # <venv>/share/jupyter/lab/schemas: the installed JupyterLab's
+    found, _ = get_settings(str(settings_dir), schemas, str(settings_dir / "no-user"), schema_name=NEWS_PLUGIN)
+    return found["schema"]["properties"]["fetchNews"]["default"]
+
+
 def test_make_install_turns_on_saving_widget_state_and_keeps_other_overrides(tmp_path):
     settings = tmp_path / "share" / "jupyter" / "lab" / "settings"
     assert _save_state_default(settings) is False  # jupyterlab_widgets' own default: state not saved
+    assert _fetch_news_default(settings) == "none"  # JupyterLab's: ask, with a toast over the first lesson
     settings.mkdir(parents=True)
     theme = {"@jupyterlab/apputils-extension:themes": {"theme": "JupyterLab Dark"}}
     (settings / "overrides.json").write_text(json.dumps(theme))
     _run_install_recipe(tmp_path)
-    assert json.loads((settings / "overrides.json").read_text()) == {**theme, PLUGIN: {"saveState": True}}
+    assert json.loads((settings / "overrides.json").read_text()) == {
+        **theme, PLUGIN: {"saveState": True}, NEWS_PLUGIN: {"fetchNews": "false"}}
     assert _save_state_default(settings) is True  # what JupyterLab will use
+    assert _fetch_news_default(settings) == "false"  # never: no toast
     before = (settings / "overrides.json").stat().st_mtime_ns
     _run_install_recipe(tmp_path)  # every `make install` runs it: the second time changes nothing
     assert (settings / "overrides.json").stat().st_mtime_ns == before

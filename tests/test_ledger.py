@@ -9,7 +9,7 @@ import subprocess
 import sys
 import textwrap
 
-from course_lib.launcher.diagnosis import cell_line, describe_stuck
+from course_lib.launcher.diagnosis import cell_line, describe_stuck, importing, rank_where
 from course_lib.rank.ledger import LedgerReader, read_ledger
 
 RECORD_SCRIPT = textwrap.dedent("""
@@ -156,3 +156,51 @@ def test_cell_line_reads_the_innermost_cell_frame_of_the_main_thread():
              '  File "<cell>", line 4 in <module>\n')
     assert cell_line(stack) == 4
     assert cell_line("no frames") is None
+
+
+# A rank's stack while its cell's line 2 runs `import torch` (faulthandler's shape, frames named short).
+IMPORTING_TORCH = """Current thread (most recent call first):
+  File "<frozen importlib._bootstrap_external>", line 1659 in _fill_cache
+  File "<frozen importlib._bootstrap>", line 1176 in _find_and_load
+  File "numpy/__init__.py", line 457 in <module>
+  File "<frozen importlib._bootstrap>", line 1176 in _find_and_load
+  File "torch/__init__.py", line 445 in <module>
+  File "<frozen importlib._bootstrap_external>", line 940 in exec_module
+  File "<frozen importlib._bootstrap>", line 1176 in _find_and_load
+  File "<cell>", line 2 in <module>
+"""
+WAITING = {"seq": 3, "op": "all_reduce", "group": "world", "bytes": 12, "end": None, "async": False}
+DONE = {"seq": 2, "op": "broadcast", "group": "world", "bytes": 0, "end": 1.0, "async": False}
+
+
+def test_importing_names_the_module_the_cell_line_imports():
+    assert importing(IMPORTING_TORCH) == "torch"  # not numpy, which torch imports
+    assert importing('  File "/home/me/work/helpers.py", line 3 in <module>\n'
+                     '  File "<frozen importlib._bootstrap>", line 1176 in _find_and_load\n'
+                     '  File "<cell>", line 5 in <module>\n') == "helpers"
+    assert importing('  File "<frozen importlib._bootstrap>", line 1078 in _find_spec\n'
+                     '  File "<cell>", line 5 in <module>\n') == ""  # its file not found yet
+    assert importing('  File "torch/distributed/distributed_c10d.py", line 3252 in all_reduce\n'
+                     '  File "<cell>", line 8 in <module>\n') is None
+    assert importing("") is None
+
+
+def test_a_rank_importing_before_any_collective_is_starting_up_not_stuck():
+    assert describe_stuck({0: [], 1: []}, {0: IMPORTING_TORCH, 1: IMPORTING_TORCH}) == [
+        "ranks 0, 1 are still starting up (importing torch at cell line 2)"]
+    # After a collective, an import is only what the rank does at that line.
+    assert describe_stuck({0: [DONE]}, {0: IMPORTING_TORCH}) == [
+        "rank 0 last completed broadcast #2 (world group) and is importing torch at cell line 2"]
+
+
+def test_rank_where_says_where_an_interrupted_rank_was():
+    in_collective = ('Current thread (most recent call first):\n'
+                     '  File "torch/distributed/distributed_c10d.py", line 3252 in all_reduce\n'
+                     '  File "<cell>", line 12 in <module>\n')
+    assert rank_where([DONE, WAITING], in_collective) == "at cell line 12, waiting in all_reduce #3 (12 B, world group)"
+    assert rank_where([], IMPORTING_TORCH) == "starting up (importing torch at cell line 2)"
+    assert rank_where([DONE], IMPORTING_TORCH) == "at cell line 2, importing torch, after broadcast #2 (world group)"
+    assert rank_where([], '  File "<cell>", line 7 in <module>\n') == "at cell line 7, before any collective"
+    assert rank_where([], None) == "starting up (before the cell's first line)"  # no stack: the hook not yet in
+    assert rank_where([], '  File "course_lib/rank/__init__.py", line 9 in _destroy_if_open\n') == (
+        "outside the cell (before its first line or after its last), before any collective")

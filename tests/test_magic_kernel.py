@@ -394,8 +394,12 @@ def test_interrupt_kills_every_process_of_the_cell(kernel):
     # The summary, then one line as Python ends an interrupt: no traceback through run_cell_magic and course_lib.
     assert [(e["ename"], e["traceback"]) for e in cell.of_type("error")] == [("CellInterrupted", ["KeyboardInterrupt"])]
     out = cell.text("stdout").splitlines()
-    assert "interrupted; ranks still running were killed: 0, 1" in out
-    assert "exit: ranks 0, 1 -> still running, killed" in out
+    # One line per rank saying where it was (time.sleep is cell line 5), no stack dump; the stacks in a file.
+    at = out.index("interrupted; every process of this cell was killed. Where each rank was:")
+    assert out[at + 1:at + 3] == [f"rank {r}: at cell line 5, before any collective" for r in (0, 1)]
+    assert cell.text("stderr") == ""
+    assert out[at + 3].startswith("(the ranks' Python stacks, for whoever debugs the course: ")
+    pathlib.Path(out[at + 3].rsplit(" ", 1)[-1].rstrip(")")).unlink()
     # Ranks, their helpers and torchrun were all seen, and are all gone.
     assert sorted(cell.names.values()).count("sleep") == 2
     assert still_alive(cell.seen.values(), timeout_s=0.5) == []

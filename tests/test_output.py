@@ -230,3 +230,40 @@ def test_the_cell_runners_frames_leave_a_stack_whether_its_path_is_absolute_or_s
     for path in ("/home/me/course/course_lib/rank/cell_runner.py", "course_lib/rank/cell_runner.py"):
         stack = f'  File "<cell>", line 27 in <module>\n  File "{path}", line 142 in main\n'
         assert _RUNNER_FRAME.sub("", stack) == '  File "<cell>", line 27 in <module>\n'
+
+
+def test_standard_library_frames_are_named_without_this_machines_folder():
+    import sysconfig
+
+    from course_lib.launcher.rank_output import short_frames
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    text = f'  File "{stdlib}/dataclasses.py", line 1021 in _process_class\n'
+    assert short_frames(text) == '  File "dataclasses.py", line 1021 in _process_class\n'
+
+
+def test_readable_stack_drops_the_import_machinery_and_keeps_every_other_frame():
+    from course_lib.launcher.rank_output import readable_stack
+
+    stack = ('Current thread (most recent call first):\n'
+             '  File "<frozen importlib._bootstrap_external>", line 1659 in _fill_cache\n'
+             '  File "torch/__init__.py", line 445 in <module>\n'
+             '  File "<frozen importlib._bootstrap>", line 1176 in _find_and_load\n'
+             '  File "<cell>", line 2 in <module>\n')
+    assert readable_stack(stack) == ('Current thread (most recent call first):\n'
+                                     '  File "torch/__init__.py", line 445 in <module>\n'
+                                     '  File "<cell>", line 2 in <module>\n')
+
+
+def test_deadline_diagnosis_calls_only_waiting_ranks_stuck_and_prints_readable_stacks(capsys):
+    from course_lib.magics.display import print_diagnosis
+
+    print_diagnosis(["rank 0 is waiting in all_reduce #1 (4 B, world group)",
+                     "rank 1 is still starting up (importing torch at cell line 2)"],
+                    {1: '  File "<frozen importlib._bootstrap>", line 1176 in _find_and_load\n'
+                        '  File "<cell>", line 2 in <module>\n'})
+    out, err = capsys.readouterr()
+    assert out.splitlines() == ["stuck: rank 0 is waiting in all_reduce #1 (4 B, world group)",
+                                "rank 1 is still starting up (importing torch at cell line 2)"]
+    assert err.splitlines() == ["[rank 1] Python stack (most recent call first):",
+                                '[rank 1]   File "<cell>", line 2 in <module>']

@@ -405,3 +405,25 @@ def test_hints_go_one_level_further_after_each_failed_check_and_stay_at_the_last
     assert lines[1].endswith(": dist.all_reduce") and lines[1].startswith("hint 2 of 3")
     assert lines[2] == lines[3] == "hint 3 of 3: Average every gradient."
     assert hint_line((), 0) == ""
+
+
+def test_long_check_lines_wrap_at_100_columns_between_words_indented_under_their_text():
+    from course_lib.grading.report import hint_line, item_line
+    from course_lib.grading.spec import ItemResult
+
+    name = "gradients of up and down on 2 and 4 ranks, every rank's equal to one process's, in float64 here"
+    message = ("backward all-reduced nothing: rank 0's up.weight.grad differs from one process's by 0.25 at "
+               "[3, 1]; the ranks' terms must be summed (f), with dist.all_reduce in f's backward")
+    lines = item_line(ItemResult(name, 0.0, 1.0, message)).splitlines()
+    assert max(map(len, lines)) <= 100 and len(lines) == 4, lines
+    assert lines[0].startswith("  FAIL  gradients") and all(line.startswith(" " * 8) for line in lines[1:])
+    # Words whole, `all-reduced` and `dist.all_reduce` unbroken, nothing lost.
+    assert " ".join(line.strip() for line in lines) == f"FAIL  {name} (0/1) {message}"
+    hint = hint_line(("Write an autograd.Function whose forward returns its input and whose backward calls "
+                      "dist.all_reduce on the incoming gradient, so the ranks' partial gradients are summed.",), 0)
+    first, *rest = hint.splitlines()
+    assert first.startswith("hint 1 of 1: ") and rest and all(line.startswith("    ") for line in rest)
+    assert max(map(len, hint.splitlines())) <= 100
+    assert item_line(ItemResult("short", 1.0, 1.0)) == "  pass  short (1/1)"
+    # The score stays with the name's last words, not alone on a line.
+    assert item_line(ItemResult("x" * 88 + " end", 1.0, 1.0)).splitlines() == ["  pass  " + "x" * 88, " " * 8 + "end (1/1)"]

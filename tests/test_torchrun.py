@@ -6,13 +6,17 @@ that look at it (module-scoped fixtures). Every launch goes through
 leftovers afterwards by an environment mark, even re-parented ones.
 """
 
+import pathlib
+import re
 import signal
+import time
 
 import psutil
 import pytest
 import torch
 
 from course_lib.backend_choice import BackendChoice
+from course_lib.launcher.torchrun import run_torchrun
 from course_lib.launcher.rank_output import exit_summary, rank_block
 from course_lib.magics.args import RankFailure
 from course_lib.magics.cell_end import finish
@@ -541,3 +545,58 @@ def test_after_a_restart_the_ledgers_are_the_last_attempts():
     result = run_torchrun(TALKS_IN_BOTH_ATTEMPTS, 2, backend="gloo", timeout_s=90, max_restarts=1)
     assert result.ok and len(result.earlier_attempts) == 1, (result.agent_output, result.stderr)
     assert {r: [e["op"] for e in entries] for r, entries in result.ledgers.items()} == {0: ["barrier"], 1: ["barrier"]}
+
+
+# ---------------------------------------------------------------- an interrupt (the toolbar's Stop)
+
+INTERRUPTED = """\
+import os, time
+print("started", flush=True)
+if os.environ["RANK"] == "1":
+    import slowmod  # slowmod sleeps as it is imported: this rank is still starting up
+time.sleep(600)
+"""
+
+
+def test_interrupt_says_in_one_line_per_rank_where_it_was_and_keeps_the_stacks_in_a_file(tmp_path, capsys):
+    from course_lib.magics.args import CellInterrupted
+
+    (tmp_path / "slowmod.py").write_text("import time\ntime.sleep(600)\n")
+    printed: list[int] = []
+    seen_all: list[float] = []
+
+    def on_output(rank, stream, text):
+        printed.extend([rank] * text.count("started"))
+
+    def interrupt_once_both_run():
+        # Stop pressed half a second after both ranks printed: rank 1 is then inside `import slowmod`.
+        if sorted(printed) == [0, 1]:
+            seen_all.append(seen_all[0] if seen_all else time.monotonic())
+            if time.monotonic() - seen_all[0] > 0.5:
+                raise KeyboardInterrupt
+
+    result = run_torchrun(INTERRUPTED, 2, backend="gloo", timeout_s=startup_deadline_s(imports=0) + 30,
+                          on_output=on_output, on_poll=interrupt_once_both_run, cwd=str(tmp_path),
+                          first_line="%%torchrun -n 2")
+    assert result.interrupted and not result.timed_out and result.unfinished == [0, 1]
+    with pytest.raises(CellInterrupted):
+        finish(cell_end(result, 60), expect_failure=False)
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert lines[:2] == ["[rank 0] started", "[rank 1] started"]
+    assert lines[2:5] == [
+        "interrupted; every process of this cell was killed. Where each rank was:",
+        "rank 0: at cell line 6, before any collective",  # time.sleep (the magic is line 1)
+        "rank 1: starting up (importing slowmod at cell line 5)",
+    ]
+    # No stack in the cell (no import machinery, no path of this machine), and no rank called stuck.
+    assert err == "" and "stuck" not in out and "<frozen" not in out and str(tmp_path) not in out
+    saved = re.fullmatch(r"\(the ranks' Python stacks, for whoever debugs the course: (\S+)\)", lines[5])
+    assert saved and len(lines) == 6, lines
+    stacks = pathlib.Path(saved.group(1))
+    try:
+        text = stacks.read_text()
+        assert 'slowmod.py", line 2 in <module>' in text and "<frozen importlib._bootstrap>" in text
+        assert text.startswith("rank 0, Python stack") and "\nrank 1, Python stack" in text
+    finally:
+        stacks.unlink()

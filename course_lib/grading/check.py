@@ -1,18 +1,45 @@
-"""`cl.check(id)`: run an exercise's public checks on the learner's last `%%exercise` cell, printing each result."""
+"""`cl.check(id)`: run an exercise's public checks on the learner's last `%%exercise` cell, printing each result.
+
+A check of the untouched stub (every item failed on its NotImplementedError) prints one "not written
+yet" line instead of the same reason on every item, and uses up no hint level: nothing was tried yet.
+"""
 
 from __future__ import annotations
 
+import re
+
 from ..errors import OneLineError
 from .cells import remembered
-from .checker import check_exercise
+from .checker import check_exercise, not_written_yet
 from .registry import UnknownExercise, exercise
-from .report import hint_line, item_line, score_text
+from .report import hint_line, item_line, score_text, wrapped
 from .spec import ItemResult
 
 __all__ = ["CheckError", "CheckReport", "check"]
 
 
 _failed_checks: dict[str, int] = {}  # exercise id -> checks of it that failed in this kernel
+_STUB_AT = re.compile(r" at cell line (\d+):")
+
+
+class _ItemPrinter:
+    """Prints each item as it is judged, holding back those that failed on the stub while every item so far did."""
+
+    def __init__(self, stub_reason: str):
+        self.stub_reason = stub_reason
+        self.held: list[ItemResult] = []
+        self.printing = False
+
+    def add(self, item: ItemResult) -> None:
+        if not self.printing and not item.passed and item.message.endswith(self.stub_reason):
+            self.held.append(item)
+            return
+        if not self.printing:  # part of the answer is written: every item counts, in order
+            self.printing = True
+            for held in self.held:
+                print(item_line(held), flush=True)
+            self.held = []
+        print(item_line(item), flush=True)
 
 
 class CheckError(OneLineError):
@@ -52,8 +79,16 @@ def check(exercise_id: str) -> CheckReport:
     sizes = sorted({run.nproc for run in found.runs})
     runs = f"{len(found.runs)} run{'s' if len(found.runs) != 1 else ''}"
     print(f"{exercise_id}: {runs} on real ranks (gloo, {' and '.join(map(str, sizes))} ranks)", flush=True)
-    items = check_exercise(found, source, on_item=lambda item: print(item_line(item), flush=True))
+    printer = _ItemPrinter(not_written_yet(exercise_id))
+    items = check_exercise(found, source, on_item=printer.add)
     report = CheckReport(exercise_id, items)
+    if items and len(printer.held) == len(items):
+        where = _STUB_AT.search(items[0].message)
+        at = f" at cell line {where.group(1)}" if where else ""
+        print(wrapped(f"{exercise_id}: not written yet (its stub raised NotImplementedError{at}), so nothing was "
+                      f"checked: {score_text(report.score, report.max_score)} points; write it, run its cell, then "
+                      "check again", "", "    "))
+        return report
     verdict = "all checks pass" if report.passed else "not yet"
     print(f"{exercise_id}: {score_text(report.score, report.max_score)} points, {verdict}")
     if not report.passed and found.hints:

@@ -27,7 +27,7 @@ from .rank_set import RankSet
 from ..units import binary_bytes
 from .spec import CaseResult, Exercise, ItemResult, Limits, RunOutcome, RunSpec
 
-__all__ = ["check_exercise", "preload_for", "rank_set_for", "submission_source"]
+__all__ = ["check_exercise", "not_written_yet", "preload_for", "rank_set_for", "submission_source"]
 
 DID_NOT_FINISH = "did not finish within"  # how a run stopped at its deadline is reported
 MAX_OUTPUT_CHARS = 2000  # of a rank's own prints kept in a report (Gradescope shows it)
@@ -210,9 +210,14 @@ def _launch_failure(exercise: Exercise, run: RunSpec, launch: LaunchResult, time
         last += f" (memory limit: a rank may use at most {binary_bytes(limits.memory_bytes)})"
     if raised:
         if is_stub_error(last, exercise.id):
-            return f"rank {rank} raised{at}: NotImplementedError: this part of {exercise.id} is not written yet"
+            return f"rank {rank} raised{at}: {not_written_yet(exercise.id)}"
         return f"rank {rank} raised{at}: {last}"
     return f"rank {rank} exited with code {code}: {last}"
+
+
+def not_written_yet(exercise_id: str) -> str:
+    """How an item reads when its run raised the stub's NotImplementedError (after "rank N raised at ...: ")."""
+    return f"NotImplementedError: this part of {exercise_id} is not written yet"
 
 
 def _maybe_busy(diagnosis: list[str]) -> str:

@@ -7,6 +7,12 @@ turns them into lines such as
     ranks 0, 2, 3 are waiting in all_reduce #7 (4 KiB, world group)
     rank 1 last completed broadcast #6 (world group) and is running Python at cell line 12
 
+A rank still importing before its first collective is "still starting up", not stuck.
+After an interrupt (the learner's Stop) `rank_where` gives one rank's place instead:
+
+    starting up (importing torch at cell line 2)
+    at cell line 12, waiting in all_reduce #7 (4 KiB, world group)
+
 When a rank exits early, its peers' next collective fails with the backend's
 raw words ("Connection closed by peer"). `first_failure` names the rank to
 blame and `consequences` says that the others' errors follow from it:
@@ -29,8 +35,8 @@ from ..units import binary_bytes
 from . import pool_worker
 from .rank_output import ranks_phrase, short_frames
 
-__all__ = ["cell_line", "collect", "consequences", "describe_stuck", "ended_first", "first_failure", "lines_by_state",
-           "lost_peer", "rank_state"]
+__all__ = ["STARTING_UP", "cell_line", "collect", "consequences", "describe_stuck", "ended_first", "first_failure",
+           "importing", "lines_by_state", "lost_peer", "rank_state", "rank_where"]
 
 STACK_WAIT_S = 0.5  # time for faulthandler to write the stacks after SIGUSR1
 
@@ -75,16 +81,49 @@ def collect(results_dir: pathlib.Path, nproc: int, stuck_pids: dict[int, int],
     return ledgers, stacks
 
 
+def _main_thread(stack: str) -> str:
+    return stack.split("Current thread", 1)[-1] if "Current thread" in stack else stack
+
+
 def cell_line(stack: str) -> int | None:
     """The innermost cell line of the main thread in a faulthandler dump (most recent call first)."""
-    main = stack.split("Current thread", 1)[-1] if "Current thread" in stack else stack
-    match = _CELL_FRAME.search(main)
+    match = _CELL_FRAME.search(_main_thread(stack))
     return int(match.group(1)) if match else None
+
+
+_IMPORT_FRAME = re.compile(r'File "<frozen importlib\._bootstrap')
+_MODULE_FRAME = re.compile(r'File "([^"<>]+)\.py", line \d+ in <module>')
+
+
+def _module_name(path: str) -> str:
+    """`torch` for torch/__init__.py, `numpy.lib` for numpy/lib/__init__.py (frames named by short_frames),
+    `helpers` for /any/folder/helpers.py."""
+    path = path.removesuffix("/__init__")
+    return path.rsplit("/", 1)[-1] if path.startswith("/") else path.replace("/", ".")
+
+
+def importing(stack: str) -> str | None:
+    """The module the innermost cell line is importing, e.g. "torch" ("" before Python has found its file);
+    None when that line is not running an import."""
+    frames = _main_thread(stack).splitlines()
+    at = next((i for i, line in enumerate(frames) if _CELL_FRAME.search(line)), None)
+    if not at or not _IMPORT_FRAME.search(frames[at - 1]):  # what the cell line called: the import machinery
+        return None
+    # The outermost module being executed above the cell's frame is the one the cell line names.
+    outer = (_MODULE_FRAME.search(line) for line in reversed(frames[:at]))
+    return next((_module_name(m.group(1)) for m in outer if m), "")
+
+
+def _importing_at(module: str, line: int | None) -> str:
+    return f"importing {module or 'a module'}" + (f" at cell line {line}" if line is not None else "")
 
 
 def _what(entry: dict) -> str:
     size = f"{binary_bytes(entry['bytes'])}, " if entry.get("bytes") else ""
     return f"{entry['op']} #{entry['seq']} ({size}{entry['group']} group)"
+
+
+STARTING_UP = "still starting up"  # a rank importing before its first collective: not stuck, only slow
 
 
 def rank_state(ledger: list[dict], stack: str) -> str:
@@ -93,13 +132,42 @@ def rank_state(ledger: list[dict], stack: str) -> str:
     if waiting:
         return f"{{be}} waiting in {_what(waiting[-1])}"
     line = cell_line(stack)
+    module = importing(stack)
+    if module is not None and not ledger:
+        return f"{{be}} {STARTING_UP} ({_importing_at(module, line)})"
     where = f"running Python at cell line {line}" if line is not None else "running Python"
+    if module is not None:
+        where = _importing_at(module, line)
     if ledger and ledger[-1].get("error"):
         return f"{{be}} {where}, after {_what(ledger[-1])} raised {ledger[-1]['error']}"
     done = [e for e in ledger if e["end"] is not None]
     if done:
         return f"last completed {_what(done[-1])} and {{be}} {where}"
     return f"{{be}} {where}, before any collective"
+
+
+def rank_where(ledger: list[dict], stack: str | None) -> str:
+    """Where one rank was when its cell was interrupted, e.g. "at cell line 12, waiting in all_reduce #3 (world
+    group)" or "starting up (importing torch at cell line 2)"; `stack` None: the rank had no stack to give."""
+    stack = stack or ""
+    if not stack.strip() and not ledger:
+        return "starting up (before the cell's first line)"
+    line = cell_line(stack)
+    module = importing(stack)
+    if module is not None and not ledger:
+        return f"starting up ({_importing_at(module, line)})"
+    if line is not None:
+        at = f"at cell line {line}"
+    else:
+        at = "outside the cell (before its first line or after its last)" if stack.strip() else "at a line unknown"
+    waiting = [e for e in ledger if e["end"] is None and not e["async"]]
+    if waiting:
+        return f"{at}, waiting in {_what(waiting[-1])}"
+    doing = f", importing {module or 'a module'}" if module is not None else ""
+    if ledger and ledger[-1].get("error"):
+        return f"{at}{doing}, after {_what(ledger[-1])} raised {ledger[-1]['error']}"
+    done = [e for e in ledger if e["end"] is not None]
+    return f"{at}{doing}, " + (f"after {_what(done[-1])}" if done else "before any collective")
 
 
 def describe_stuck(ledgers: dict[int, list[dict]], stacks: dict[int, str]) -> list[str]:

@@ -21,14 +21,15 @@ import codecs
 import pathlib
 import re
 import signal
+import sysconfig
 from typing import Any
 
 from ..rank.contract import CELL_LABEL, log_files, parse_log_path
 
 __all__ = [
     "MAX_LINES_PER_RANK", "LogFollower", "RankFdOutput", "clean_paths", "clean_rank_text", "cut_traceback", "describe_exit",
-    "short_frames",
-    "attempt_failures", "exit_summary", "parse_torchrun_failures", "rank_block", "ranks_phrase",
+    "short_frames", "attempt_failures", "exit_summary", "parse_torchrun_failures", "rank_block", "ranks_phrase",
+    "readable_stack",
 ]
 
 MAX_LINES_PER_RANK = 400
@@ -66,6 +67,8 @@ def parse_torchrun_failures(agent_output: str) -> tuple[dict[int, int], int | No
 # absolute path for an editable install): frames are named from the package down, torch/..., course_lib/...
 _INSTALLED = re.compile(r'File "[^"]*/(?:site|dist)-packages/')
 _COURSE_ROOT = str(pathlib.Path(__file__).resolve().parents[2])  # the folder that holds course_lib/
+# The standard library's folders (the base Python's, and a virtual environment's): `File "dataclasses.py"`.
+_STDLIB = sorted({f'File "{sysconfig.get_paths()[key]}/' for key in ("stdlib", "platstdlib")}, key=len, reverse=True)
 
 
 # The GPU-node rehearsal (course_lib/rank/rehearsal.py) sits between the program and torch under test:
@@ -116,9 +119,21 @@ def without_rehearsal(text: str) -> str:
 
 
 def short_frames(text: str) -> str:
-    """Traceback and stack frames named from their package down: `File "torch/..."`, `File "course_lib/..."`."""
+    """Traceback and stack frames named from their package down: `File "torch/..."`, `File "course_lib/..."`,
+    the standard library's `File "dataclasses.py"`."""
     text = _INSTALLED.sub('File "', text).replace(f'File "{_COURSE_ROOT}/course_lib/', 'File "course_lib/')
+    for prefix in _STDLIB:  # after site-packages, which may lie below a standard library folder
+        text = text.replace(prefix, 'File "')
     return without_rehearsal(text)
+
+
+_IMPORT_MACHINERY = re.compile(r'^[^\n]*File "<frozen importlib\._bootstrap(?:_external)?>"[^\n]*\n?', re.M)
+
+
+def readable_stack(text: str) -> str:
+    """A faulthandler stack without the import machinery's frames (`<frozen importlib._bootstrap>`): while
+    a rank imports torch they are most of its stack, and none is the learner's or torch's code."""
+    return _IMPORT_MACHINERY.sub("", text)
 
 
 def clean_paths(text: str, script_path: str, label: str = CELL_LABEL) -> str:

@@ -8,6 +8,10 @@ an interrupt, RankFailure after a failure unless `--expect-failure` was given,
 RankFailure after a success if it was. A failure the cell expects (`--expect-failure`) whose other ranks
 only lost their peer shows the course's one-line explanation first, those ranks' tracebacks cut to their
 last line (`rank_output.cut_traceback`).
+
+An interrupt is the learner's own doing: the cell says in one line per rank
+where each was, and leaves the ranks' Python stacks in a file it names
+(a deadline or a hang prints them: there they are the evidence).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from ..launcher.diagnosis import lost_peer
 from ..launcher.rank_output import cut_traceback
 from ..results import mark_stale, record_run
 from .args import CellInterrupted, RankFailure
-from .display import print_diagnosis, print_rank_blocks
+from .display import print_diagnosis, print_rank_blocks, save_stacks
 
 __all__ = ["CellEnd", "finish"]
 
@@ -37,6 +41,7 @@ class CellEnd:
     diagnosis: list[str] = dataclasses.field(default_factory=list)  # who was stuck where
     stacks: dict[int, str] = dataclasses.field(default_factory=dict)  # stuck ranks' Python stacks
     interrupted: str | None = None  # the line printed before CellInterrupted; None: not interrupted
+    where: list[str] = dataclasses.field(default_factory=list)  # after an interrupt: "rank 0: at cell line 3, ..."
     failure: str | None = None  # why the cell failed, one sentence; None: it did not
     # Attempts torchrun restarted after (--max-restarts): (how it ended, {rank: stdout}), shown first.
     earlier_attempts: list[tuple[str, dict[int, str]]] = dataclasses.field(default_factory=list)
@@ -64,10 +69,16 @@ def finish(end: CellEnd, *, expect_failure: bool) -> None:
     for line in end.consequences:
         if line not in explained:
             print(line)
-    print_diagnosis(end.diagnosis, end.stacks)
     if end.interrupted is not None:
+        print_diagnosis(end.diagnosis, {})
         print(end.interrupted)
+        for line in end.where:
+            print(line)
+        saved = save_stacks(end.stacks)
+        if saved is not None:
+            print(f"(the ranks' Python stacks, for whoever debugs the course: {saved})")
         raise CellInterrupted
+    print_diagnosis(end.diagnosis, end.stacks)
     if end.failure is None:
         if expect_failure:
             raise RankFailure(f"--expect-failure was given, but {end.all_well}")

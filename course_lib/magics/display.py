@@ -6,16 +6,19 @@ cell ends (errors, `cl.results`) is in cell_end.py.
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 import time
 from typing import Callable, TypeVar
 
 from IPython import get_ipython
 from IPython.display import display
 
-from ..launcher.rank_output import rank_block
+from ..launcher.diagnosis import STARTING_UP
+from ..launcher.rank_output import rank_block, readable_stack
 
-__all__ = ["LiveView", "print_diagnosis", "print_rank_blocks", "run_live", "someone_is_watching"]
+__all__ = ["LiveView", "print_diagnosis", "print_rank_blocks", "run_live", "save_stacks", "someone_is_watching"]
 
 LIVE_LINES = 30  # lines kept in the live view while a cell runs
 LIVE_REFRESH_S = 0.2
@@ -105,10 +108,31 @@ def print_rank_blocks(stdout: dict[int, str], stderr: dict[int, str], first: int
 
 
 def print_diagnosis(lines: list[str], stacks: dict[int, str]) -> None:
-    """Where stuck ranks were (stdout), then their Python stacks (stderr, innermost call first)."""
-    if lines:
-        print("stuck: " + "; ".join(lines))
+    """Where stuck ranks were (stdout), then their Python stacks (stderr, innermost call first).
+
+    Ranks still importing before their first collective are only slow: their line is not called stuck.
+    """
+    stuck = [line for line in lines if STARTING_UP not in line]
+    if stuck:
+        print("stuck: " + "; ".join(stuck))
+    slow = [line for line in lines if STARTING_UP in line]
+    if slow:
+        print("; ".join(slow))
     for rank in sorted(stacks):
         if stacks[rank].strip():
-            sys.stderr.write(rank_block(rank, "Python stack (most recent call first):\n" + stacks[rank]))
+            stack = readable_stack(stacks[rank])
+            sys.stderr.write(rank_block(rank, "Python stack (most recent call first):\n" + stack))
     sys.stderr.flush()
+
+
+def save_stacks(stacks: dict[int, str]) -> str | None:
+    """Write the ranks' full Python stacks to a new file of this user's (kept: the run's folder is deleted
+    after the cell); its path, or None when there is no stack to keep."""
+    kept = {rank: text for rank, text in sorted(stacks.items()) if text.strip()}
+    if not kept:
+        return None
+    fd, path = tempfile.mkstemp(prefix="course_lib_stacks_", suffix=".txt")  # mode 0600
+    with os.fdopen(fd, "w") as handle:
+        for rank, text in kept.items():
+            handle.write(f"rank {rank}, Python stack (most recent call first):\n{text.rstrip()}\n\n")
+    return path

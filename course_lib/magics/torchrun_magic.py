@@ -19,7 +19,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from ..backend_choice import BACKEND_CHOICES, BackendError, choose_backend
-from ..launcher.diagnosis import consequences, ended_first, first_failure
+from ..launcher.diagnosis import consequences, ended_first, first_failure, rank_where
 from ..launcher.rank_output import describe_exit, exit_summary
 from ..launcher.torchrun import LaunchResult, run_torchrun
 from .args import DEFAULT_NPROC, MAX_NPROC, parse_line, positive_seconds, rank_count, restart_count
@@ -48,6 +48,21 @@ def _failure_message(result: LaunchResult, timeout_s: float, first: int | None) 
     return f"torchrun exited with code {result.agent_exit_code}: {detail[0]}"
 
 
+def _where_each_rank(result: LaunchResult) -> list[str]:
+    """After an interrupt, one line per rank: "rank 2: starting up (importing torch at cell line 2)"."""
+    lines = []
+    for rank in range(result.nproc):
+        if rank in result.not_started:
+            where = "not started yet"
+        elif rank in result.unfinished:
+            where = rank_where(result.ledgers.get(rank, []), result.stacks.get(rank))
+        else:
+            code = result.exit_codes.get(rank)
+            where = "had finished" if code == 0 else f"had failed ({describe_exit(code)})"
+        lines.append(f"rank {rank}: {where}")
+    return lines
+
+
 def cell_end(result: LaunchResult, timeout_s: float) -> CellEnd:
     """How a launch ends as a cell: the failing rank's stderr first and, unless every rank exited 0,
     every rank's exit, whose errors follow from another rank's exit, and why the cell failed."""
@@ -59,15 +74,17 @@ def cell_end(result: LaunchResult, timeout_s: float) -> CellEnd:
                   earlier_attempts=result.earlier_attempts)
     if result.ok:
         return end
+    if result.interrupted:
+        # Stop was pressed on purpose: where each rank was replaces the exits and the stuck ranks' lines.
+        end.diagnosis = []
+        end.interrupted = "interrupted; every process of this cell was killed. Where each rank was:"
+        end.where = _where_each_rank(result)
+        return end
     end.exit_line = exit_summary(result.exit_codes, result.not_started)
     failed_errors = {r: result.stderr.get(r, "") for r in result.failed}
     gone = ended_first(result.exit_codes, failed_errors, result.ledgers, first)
     end.consequences = consequences(failed_errors, gone, result.ledgers)
-    if result.interrupted:
-        running = ", ".join(map(str, result.unfinished)) or "none"
-        end.interrupted = f"interrupted; ranks still running were killed: {running}"
-    else:
-        end.failure = _failure_message(result, timeout_s, first)
+    end.failure = _failure_message(result, timeout_s, first)
     return end
 
 
