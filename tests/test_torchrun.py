@@ -302,9 +302,9 @@ def test_deadline_kills_ranks_and_their_children(deadline_run):
 
 
 def test_stuck_collective_ends_by_the_deadline():
-    # Rank 1 skips the all_reduce rank 0 waits in. The deadline leaves time for
-    # torchrun, `import torch` and init to reach the collective (3-4 s on a quiet machine).
-    timeout_s = startup_deadline_s(imports=1) + 4
+    # Rank 1 skips the all_reduce rank 0 waits in. The deadline counts from when both ranks' process group is
+    # up (however long `import torch` took on this machine): 4 s to reach the collective and print.
+    timeout_s = 4
     run = launch(
         """
         import time
@@ -324,7 +324,7 @@ def test_stuck_collective_ends_by_the_deadline():
         timeout_s=timeout_s,
     )
     result = run.result
-    assert run.elapsed_s < timeout_s + 5
+    assert result.ready_s is not None and run.elapsed_s < result.ready_s + timeout_s + 5
     assert result.stdout == {0: "entering all_reduce\n", 1: "skipping the all_reduce\n"}
     assert result.timed_out or result.failed
     assert not result.ok
@@ -341,11 +341,33 @@ def test_stuck_collective_ends_by_the_deadline():
     _assert_nothing_left(run)
 
 
+def test_the_deadline_counts_from_when_every_rank_has_started_its_group():
+    """A slow `import torch` (a loaded machine; here 4 s of sleep before it) is not the cell's time: a 3 s
+    deadline still lets a cell that takes 1 s after init_process_group finish. A cell that imports no torch
+    counts from the launch (test_deadline_returns_in_bounded_time)."""
+    run = launch(
+        """
+        import time
+        time.sleep(4)
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        time.sleep(1)
+        print("done after its imports", flush=True)
+        """,
+        2,
+        timeout_s=3,
+    )
+    result = run.result
+    assert not result.timed_out and result.ok, result.stdout
+    assert result.stdout == {0: "done after its imports\n", 1: "done after its imports\n"}
+    assert result.ready_s is not None and result.ready_s >= 4
+
+
 def test_cell_without_cl_init_is_recorded_and_diagnosed():
     # A script that starts its own process group and never imports course_lib:
     # the hook on line 1 still records its collectives (whichever way they are
     # imported) and dumps the stuck ranks' stacks at the deadline.
-    timeout_s = 9
+    timeout_s = 6  # after both ranks' init_process_group returned
     run = launch(
         """
         import time
@@ -364,7 +386,7 @@ def test_cell_without_cl_init_is_recorded_and_diagnosed():
         timeout_s=timeout_s,
     )
     result = run.result
-    assert run.elapsed_s < timeout_s + 5
+    assert result.ready_s is not None and run.elapsed_s < result.ready_s + timeout_s + 5
     assert not result.ok
     assert [(e["op"], e["bytes"], e["end"] is not None) for e in result.ledgers[1]] == [("broadcast", 32, True)]
     assert [(e["op"], e["bytes"]) for e in result.ledgers[0]][0] == ("broadcast", 32)

@@ -25,7 +25,8 @@ from typing import Any, Callable
 
 from ..backend_choice import BackendChoice, choose_backend
 from ..rank.contract import (CELL_HOOK_MODULE, CELL_RUNNER_MODULE, ENV_BACKEND, ENV_DEVICE, ENV_LAUNCH_MARK,
-                             ENV_RESULTS_DIR, PUBLISHED_GLOB, SCRIPT_NAME, ledger_file, parse_published)
+                             ENV_RESULTS_DIR, PUBLISHED_GLOB, SCRIPT_NAME, ledger_file, parse_published,
+                             ready_file)
 from ..rank.ledger import read_ledger
 from . import watchdog
 from .diagnosis import collect, describe_stuck
@@ -37,6 +38,13 @@ from .rank_output import (LogFollower, attempt_failures, clean_paths, clean_rank
 __all__ = ["LaunchResult", "TorchrunProcess", "resolve_backend", "run_torchrun", "torchrun_command"]
 
 POLL_S = 0.05  # how often we look at the log files and the deadline
+# A cell's deadline counts from the moment every rank's `init_process_group` has returned (its ready file
+# exists: rank.mark_ready_after_init), not from the launch: importing torch takes 2 s on a quiet laptop and
+# 15 s on a loaded 2-core machine, and a hang shown with a 15 s deadline must not become "killed while
+# importing". A cell that imports torch but whose ranks never all get there (no process group, a rank that
+# never calls init, a hang before it) gets STARTUP_ALLOWANCE_S more; a cell without torch counts from the launch.
+STARTUP_ALLOWANCE_S = 60.0
+_IMPORTS_TORCH = re.compile(r"^\s*(?:import|from)\s+torch\b", re.M)
 TREE_REFRESH_S = 1.0  # how often we record new descendant processes (each refresh scans the process table)
 
 OutputCallback = Callable[[int, str, str], None]  # (rank, "stdout"|"stderr", text)
@@ -58,6 +66,9 @@ class LaunchResult:
     agent_exit_code: int | None
     results: dict[str, dict[int, Any]]
     elapsed_s: float
+    # Seconds from the launch until every rank's init_process_group had returned, where the deadline starts
+    # (None: the script imports no torch, or its ranks never all got there: counted from the launch).
+    ready_s: float | None = None
     ledgers: dict[int, list[dict]] = dataclasses.field(default_factory=dict)  # collectives per rank (ledger.py)
     stacks: dict[int, str] = dataclasses.field(default_factory=dict)  # Python stacks of ranks stuck at the deadline
     diagnosis: list[str] = dataclasses.field(default_factory=list)  # who is stuck where, one line per state
@@ -270,6 +281,26 @@ class TorchrunProcess:
         return b"".join(self._agent_chunks).decode("utf-8", errors="replace")
 
 
+class _Deadline:
+    """`timeout_s` after every rank's process group is up (when the script imports torch), else after the
+    launch; a script that imports torch but whose ranks never all start a group gets STARTUP_ALLOWANCE_S more."""
+
+    def __init__(self, timeout_s: float, started: float, nproc: int, results_dir: pathlib.Path, script: str):
+        self.timeout_s, self.started = timeout_s, started
+        self.waits_for_torch = _IMPORTS_TORCH.search(script) is not None
+        self.ready = [results_dir / ready_file(rank) for rank in range(nproc)]
+        self.ready_at: float | None = None
+
+    def passed(self, now: float) -> bool:
+        if not self.waits_for_torch:
+            return now - self.started >= self.timeout_s
+        if self.ready_at is None and all(path.exists() for path in self.ready):
+            self.ready_at = now
+        if self.ready_at is not None:
+            return now - self.ready_at >= self.timeout_s
+        return now - self.started >= self.timeout_s + STARTUP_ALLOWANCE_S
+
+
 def _launch_and_follow(script_path, nproc, choice, timeout_s, on_output, on_poll, cwd, max_restarts=0):
     started = time.monotonic()
     launch = TorchrunProcess(_cell_target(script_path), nproc, choice, script_path.parent, cwd=cwd,
@@ -279,6 +310,7 @@ def _launch_and_follow(script_path, nproc, choice, timeout_s, on_output, on_poll
     timed_out = interrupted = False
     unfinished: list[int] = []
     last_refresh = 0.0
+    deadline = _Deadline(timeout_s, started, nproc, launch.results_dir, script_path.read_text())
 
     def forward(chunks):
         if on_output is not None:
@@ -294,7 +326,7 @@ def _launch_and_follow(script_path, nproc, choice, timeout_s, on_output, on_poll
             if now - last_refresh >= TREE_REFRESH_S:
                 tree.refresh()
                 last_refresh = now
-            if now - started >= timeout_s:
+            if deadline.passed(now):
                 timed_out = True
                 break
             try:
@@ -343,6 +375,7 @@ def _launch_and_follow(script_path, nproc, choice, timeout_s, on_output, on_poll
         agent_exit_code=None if (timed_out or interrupted) else proc.returncode,
         results=_read_results(launch.results_dir),
         elapsed_s=time.monotonic() - started,
+        ready_s=None if deadline.ready_at is None else deadline.ready_at - started,
         ledgers=ledgers,
         stacks=stacks,
         diagnosis=describe_stuck(ledgers, stacks),

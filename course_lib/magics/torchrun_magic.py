@@ -96,7 +96,8 @@ class TorchrunMagics(Magics):
     @argument("--backend", choices=BACKEND_CHOICES, default="auto",
               help="auto (default): nccl when this machine has a GPU per rank, else gloo on CPU")
     @argument("--timeout", type=positive_seconds, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
-              help=f"deadline: then every process of the cell is killed (default {DEFAULT_TIMEOUT_S:g})")
+              help=f"deadline, counted from when every rank's process group is up: then every process of "
+                   f"the cell is killed (default {DEFAULT_TIMEOUT_S:g})")
     @argument("--max-restarts", type=restart_count, default=0, metavar="K",
               help="torchrun restarts every rank after one fails, at most K times (default 0); "
                    "the deadline covers every attempt")

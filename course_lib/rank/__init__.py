@@ -18,7 +18,8 @@ import signal
 from typing import Any
 
 from ..backend_choice import BackendChoice, choose_backend
-from .contract import ENV_BACKEND, ENV_DEVICE, ENV_LEDGER, ENV_RESULTS_DIR, ledger_file, published_file, stacks_file
+from .contract import (ENV_BACKEND, ENV_DEVICE, ENV_LEDGER, ENV_RESULTS_DIR, ledger_file, published_file, ready_file,
+                       stacks_file)
 
 __all__ = [
     "DistInfo",
@@ -130,6 +131,37 @@ def record_collectives() -> None:
     rank = os.environ.get("RANK", "0")
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)  # > 0 after torchrun restarted the ranks
     ledger.install(os.path.join(results_dir, ledger_file(rank, attempt)))
+
+
+def mark_ready_after_init() -> None:
+    """Under a notebook launcher: touch this rank's ready file when `init_process_group` first returns.
+
+    The launcher's deadline counts from when every rank's file exists, so that the seconds a loaded
+    machine spends importing torch (and transformers) are not the cell's. Wraps c10d's function when
+    `torch.distributed.distributed_c10d` loads (cell_hook), before `torch.distributed` copies its name.
+    """
+    results_dir = os.environ.get(ENV_RESULTS_DIR)
+    if not results_dir:
+        return
+    import functools
+
+    import torch.distributed.distributed_c10d as c10d
+
+    original = c10d.init_process_group
+    if getattr(original, "__course_lib_ready__", False):
+        return
+    path = os.path.join(results_dir, ready_file(os.environ.get("RANK", "0")))
+
+    @functools.wraps(original)
+    def init_process_group(*args, **kwargs):
+        result = original(*args, **kwargs)
+        if not os.path.exists(path):
+            with open(path, "w"):
+                pass
+        return result
+
+    init_process_group.__course_lib_ready__ = True
+    c10d.init_process_group = init_process_group
 
 
 def _destroy_if_open() -> None:

@@ -25,7 +25,7 @@ import importlib.machinery
 import sys
 from typing import Callable
 
-from . import destroy_process_group_at_exit, dump_stacks_on_signal, record_collectives
+from . import destroy_process_group_at_exit, dump_stacks_on_signal, mark_ready_after_init, record_collectives
 from .rehearsal import install_after_init
 
 C10D = "torch.distributed.distributed_c10d"
@@ -62,6 +62,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 def _on_distributed_loaded() -> None:
     record_collectives()
     install_after_init()  # the GPU-node rehearsal, when the test suite asks for it (rehearsal.py)
+    mark_ready_after_init()  # the launcher's deadline starts when every rank's group is up
     destroy_process_group_at_exit()  # a cell that forgets destroy_process_group() still ends cleanly
 
 

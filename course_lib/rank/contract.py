@@ -22,7 +22,7 @@ __all__ = [
     "CELL_HOOK_MODULE", "CELL_LABEL", "CELL_RUNNER_MODULE", "ENV_BACKEND", "ENV_CELL_FILE", "ENV_DEVICE",
     "ENV_LAUNCH_MARK", "ENV_LEDGER",
     "ENV_POOL_ADDRESS", "ENV_POOL_INIT", "ENV_POOL_KEYFILE", "ENV_RESULTS_DIR", "PUBLISHED_GLOB", "SCRIPT_NAME",
-    "ledger_file", "log_files", "parse_log_path", "parse_published", "published_file", "stacks_file",
+    "ledger_file", "log_files", "ready_file", "parse_log_path", "parse_published", "published_file", "stacks_file",
 ]
 
 # --- environment variables set by the launcher (course_lib.launcher.torchrun) -------------------
@@ -50,6 +50,12 @@ def parse_published(path: pathlib.Path) -> tuple[str, int]:
     """(name, rank) of a file written by `published_file`."""
     name, _, rank = path.stem.rpartition(".rank")
     return name, int(rank)
+
+
+def ready_file(rank: int | str) -> str:
+    """Written (empty) when the rank's first `init_process_group` returns: the launcher's deadline starts when
+    every rank's exists (launcher/torchrun.py), so a slow `import torch` is not the cell's time."""
+    return f"ready.rank{rank}"
 
 
 def ledger_file(rank: int | str, attempt: int = 0) -> str:
