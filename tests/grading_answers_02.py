@@ -364,3 +364,25 @@ DDP_PARAMETER_ORDER = DDP_SOLUTION.replace(
 
 """)
 assert DDP_PARAMETER_ORDER != DDP_SOLUTION and "def start_bucket" not in DDP_PARAMETER_ORDER
+
+# Registers a hook on every parameter, the frozen one too: torch refuses a hook on a tensor that requires no
+# gradient, so the constructor raises on the module with a frozen parameter (the other runs pass).
+DDP_HOOKS_ON_FROZEN = DDP_SOLUTION.replace(
+    "        params = [p for p in module.parameters() if p.requires_grad]\n",
+    "        params = list(module.parameters())\n")
+assert DDP_HOOKS_ON_FROZEN != DDP_SOLUTION
+
+# Hooks only where a gradient comes, but waits for as many gradients as module.parameters() lists: with a frozen
+# parameter the count never reaches it, so the last bucket is never started (nor its gradients averaged).
+DDP_COUNTS_FROZEN = DDP_SOLUTION.replace(
+    "            if self.ready == len(params):  # the last gradient of this backward\n",
+    "            if self.ready == len(list(module.parameters())):  # the last gradient of this backward\n")
+assert DDP_COUNTS_FROZEN != DDP_SOLUTION
+
+# Collects the parameters module by module: a weight two layers share is listed (and hooked) twice, so it is
+# put in a bucket and all-reduced twice per backward. Right values (the same average copied back twice),
+# twice its bytes on the wire.
+DDP_TIED_TWICE = DDP_SOLUTION.replace(
+    "        params = [p for p in module.parameters() if p.requires_grad]\n",
+    "        params = [p for m in module.modules() for p in m.parameters(recurse=False) if p.requires_grad]\n")
+assert DDP_TIED_TWICE != DDP_SOLUTION

@@ -252,13 +252,26 @@ class ShardedOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         world = dist.get_world_size()
-        for p in self.params:
+        trained = [p for p in self.params if p.grad is not None]
+        for p in trained:
             dist.all_reduce(p.grad)
             p.grad.div_(world)
         self.optim.step()
-        for p in self.params:
+        for p in trained:
             dist.broadcast(p, src=self.owner[p])
 '''
+
+# Averages every parameter's gradient, a frozen one's (None) too: all_reduce refuses None, the model with a
+# frozen parameter raises (the solution this exercise had once).
+ZERO1_NONE_GRADIENT = ZERO1_SOLUTION.replace(
+    "        trained = [p for p in self.params if p.grad is not None]\n", "").replace(
+    "        for p in trained:\n", "        for p in self.params:\n")
+assert ZERO1_NONE_GRADIENT.count("for p in self.params:") == 3
+
+# Splits only the parameters that train: right parameters, but not ZeroRedundancyOptimizer's owners.
+ZERO1_SPLITS_TRAINABLE_ONLY = ZERO1_SOLUTION.replace(
+    "        self.params = list(params)\n", "        self.params = [p for p in params if p.requires_grad]\n")
+assert ZERO1_SPLITS_TRAINABLE_ONLY != ZERO1_SOLUTION
 
 # Every rank builds the inner optimizer over every parameter: right parameters, the state not sharded.
 ZERO1_STEPS_EVERYTHING = ZERO1_SOLUTION.replace(
@@ -267,7 +280,8 @@ ZERO1_STEPS_EVERYTHING = ZERO1_SOLUTION.replace(
 
 # No broadcast: each rank's copies of the others' parameters never change.
 ZERO1_NO_BROADCAST = ZERO1_SOLUTION.replace(
-    "        for p in self.params:\n            dist.broadcast(p, src=self.owner[p])\n", "")
+    "        for p in trained:\n            dist.broadcast(p, src=self.owner[p])\n", "")
+assert ZERO1_NO_BROADCAST != ZERO1_SOLUTION
 
 # Gradients not averaged: each owner steps with the gradient of its own rows.
 ZERO1_NOT_AVERAGED = ZERO1_SOLUTION.replace(

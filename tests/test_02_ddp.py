@@ -21,7 +21,7 @@ from exercise_checks import (assert_full_marks, assert_loses_exactly, assert_sec
 from exercise_notebooks import notebook_path, exercise_sections, markdown_cells
 from course_lib.grading.cells import EXERCISE_ID, exercise_cells
 from course_lib.grading.checker import check_exercise, preload_for, rank_set_for
-from course_lib.grading.lessons.lesson02.ddp_from_scratch import CAPS, MICRO_ROWS, ROWS, ready_order
+from course_lib.grading.lessons.lesson02.ddp_from_scratch import CAPS, MICRO_ROWS, ROWS, SHARED, ready_order
 from course_lib.grading.lessons.lesson02.exercises import ATOL, FP16_ATOL, FP16_RTOL, LR, RTOL, greedy_buckets
 from course_lib.grading.registry import exercise, exercises_of_lesson
 from course_lib.grading.report import item_line
@@ -69,7 +69,8 @@ def _case_phrases(exercise_id: str, case: dict) -> list[str]:
         return [f"a batch of {rows * n} rows, {rows} per rank"]
     if exercise_id == "02.ddp_from_scratch":
         cap = args[1]
-        buckets = greedy_buckets([nbytes for _, nbytes in ready_order()], cap)
+        shape = (SHARED["layers"], tuple(args[5]), tuple(map(tuple, args[6]))) if len(args) > 5 else ()
+        buckets = greedy_buckets([nbytes for _, nbytes in ready_order(*shape)], cap)
         return [f"a cap of {binary_bytes(cap)} (buckets of {', '.join(binary_bytes(b) for b in buckets)})",
                 f"{args[2][0][0].shape[0]} rows per rank", f"micro-batches of {args[3][0][0].shape[0]} rows"]
     if exercise_id == "02.bucketed_allreduce":
@@ -151,6 +152,15 @@ DDP_GRADS, DDP_PARITY_2, DDP_BUCKETS_2, DDP_OVERLAP, DDP_NO_SYNC, DDP_RANK0_2, D
     "3 SGD steps equal one process, from equal and from different parameters (3 ranks)",
     f"one all_reduce per bucket of at most {CAPS[3]} B (3 ranks)",
     "the constructor gives every rank rank 0's parameters (3 ranks)")
+SHARED_GRADS, SHARED_PARITY, SHARED_BUCKETS = (
+    "a frozen parameter keeps .grad None, a tied weight's gradient is averaged once, the others equal one "
+    "process (2 ranks)",
+    "3 SGD steps of the module with a frozen and a tied parameter equal one process (2 ranks)",
+    "one all_reduce per bucket of at most 128 B of the gradients that exist: none for the frozen parameter, the "
+    "tied one once (2 ranks)")
+SHARED_RAISED = ("rank 0 raised at cell line", "RuntimeError: cannot register a hook on a tensor that doesn't "
+                 "require gradient (in this case the module's 0.weight is frozen (requires_grad=False: no hook, its "
+                 ".grad stays None)")
 
 WRONG = [
     pytest.param("02.bucketed_allreduce", answers.BUCKETED_PER_TENSOR, {
@@ -248,6 +258,10 @@ WRONG = [
         DDP_PARITY_2: "the ranks start from the same parameters: 0.weight after step 1",
         DDP_NO_SYNC: "0.weight's gradient element [0, 0] is -0.00810284, expected -0.0159232",
         DDP_PARITY_3: "the ranks start from the same parameters: 0.weight after step 1",
+        SHARED_GRADS: "rank 0, the module with 0.weight frozen and 4.weight tied to 2.weight, step 1: 0.bias.grad after "
+                      "finish_gradient_synchronization() element 0 is 0.000660984, expected 0.00132197: that is the "
+                      "average divided by 2 again",
+        SHARED_PARITY: "the module with 0.weight frozen and 4.weight tied to 2.weight: 0.bias after step 1",
     }, id="ddp-averages-twice"),
     # DDP's own order: divide while copying into the bucket, not after the all-reduce. Right.
     pytest.param("02.ddp_from_scratch", answers.DDP_PRE_DIVIDES, {}, id="ddp-divides-before-passes"),
@@ -258,6 +272,8 @@ WRONG = [
         DDP_PARITY_2: "0.weight after step 1",
         DDP_NO_SYNC: "0.weight's gradient",
         DDP_PARITY_3: "0.weight after step 1",
+        SHARED_GRADS: "0.bias.grad after finish_gradient_synchronization() element 0 is 0.00185297, expected 0.00132197",
+        SHARED_PARITY: "0.bias after step 1",
     }, id="ddp-last-bucket-not-copied-back"),
     pytest.param("02.ddp_from_scratch", answers.DDP_REACHES_THE_CAP, {
         DDP_BUCKETS_2: "3 all_reduce calls of 104 B, 256 B, 160 B, expected 5, of 72 B, 32 B, 256 B, 32 B, 128 B "
@@ -265,7 +281,24 @@ WRONG = [
                        "(DDP's rule",
         DDP_BUCKETS_3: "2 all_reduce calls of 360 B, 160 B, expected 3, of 104 B, 288 B, 128 B (buckets of at most "
                        "300 B, in the order the gradients become ready): buckets that pass 300 B (DDP's rule",
+        SHARED_BUCKETS: "3 all_reduce calls of 136 B, 256 B, 32 B, expected 4, of 104 B, 32 B, 256 B, 32 B (buckets of "
+                        "at most 128 B): buckets that pass 128 B (DDP's rule",
     }, id="ddp-buckets-reach-the-cap"),
+    pytest.param("02.ddp_from_scratch", answers.DDP_HOOKS_ON_FROZEN, {
+        name: SHARED_RAISED for name in (SHARED_GRADS, SHARED_PARITY, SHARED_BUCKETS)
+    }, id="ddp-hooks-on-a-frozen-parameter"),
+    # The last bucket stays open; the next step's first gradient finds its parameters' .grad set to None by
+    # zero_grad(): the run raises, and the line names the frozen parameter.
+    pytest.param("02.ddp_from_scratch", answers.DDP_COUNTS_FROZEN, {
+        name: ("rank 0 raised at cell line", "AttributeError: 'NoneType' object has no attribute 'reshape' (in this "
+               "case the module's 0.weight is frozen (requires_grad=False: no hook, its .grad stays None)")
+        for name in (SHARED_GRADS, SHARED_PARITY, SHARED_BUCKETS)
+    }, id="ddp-counts-the-frozen-parameter"),
+    pytest.param("02.ddp_from_scratch", answers.DDP_TIED_TWICE, {
+        SHARED_BUCKETS: "step 1: 5 all_reduce calls of 104 B, 32 B, 256 B, 256 B, 32 B, expected 4, of 104 B, 32 B, "
+                        "256 B, 32 B (buckets of at most 128 B): 2.weight was all-reduced twice; it is one Parameter "
+                        "used by two layers, listed once by module.parameters()",
+    }, id="ddp-all-reduces-a-tied-weight-twice"),
     pytest.param("02.ddp_from_scratch", answers.DDP_PARAMETER_ORDER, {
         DDP_BUCKETS_2: "5 all_reduce calls of 8 B, 96 B, 256 B, 32 B, 128 B, expected 5, of 72 B, 32 B, 256 B, 32 B, "
                        "128 B (buckets of at most 96 B, in the order the gradients become ready): buckets made of "
@@ -273,6 +306,9 @@ WRONG = [
         DDP_BUCKETS_3: "3 all_reduce calls of 72 B, 288 B, 160 B, expected 3, of 104 B, 288 B, 128 B (buckets of at "
                        "most 300 B, in the order the gradients become ready): buckets made of consecutive parameters "
                        "in the order of module.parameters()",
+        SHARED_BUCKETS: "4 all_reduce calls of 8 B, 128 B, 256 B, 32 B, expected 4, of 104 B, 32 B, 256 B, 32 B "
+                        "(buckets of at most 128 B): buckets made of consecutive parameters in the order of "
+                        "module.parameters()",
     }, id="ddp-buckets-in-parameter-order"),
 ]
 

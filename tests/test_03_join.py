@@ -213,6 +213,9 @@ ADAM_2, SGD_2, SHARE_2, ADAM_3, SHARE_3 = (
     "each rank's optimizer state is its greedy share, in bytes (2 ranks)",
     "parameters equal one process's Adam after 3 steps, on every rank (3 ranks)",
     "each rank's optimizer state is its greedy share, in bytes (3 ranks)")
+SHARED_ADAM, SHARED_SHARE = (
+    "with a frozen and a tied parameter: parameters equal one process's Adam after 3 steps (2 ranks)",
+    "with a frozen and a tied parameter: each rank's optimizer state is its greedy share (2 ranks)")
 # (The ledger numbers a rank's calls over the runs its process served: the number after '#' depends on them.)
 GATHERS = ("each rank writes the state it holds, without communicating: gathering every share on one rank (as "
            "consolidate_state_dict does) needs that rank to hold the whole state at once")
@@ -301,18 +304,22 @@ WRONG = [
                  "greedy split (largest first, each to the rank holding the fewest elements so far, the lowest rank "
                  "on a tie) gives rank 0 0.weight: 196 B",
         SHARE_3: "optim.state holds 368 B, the state of every parameter: every rank steps everything",
+        SHARED_SHARE: "0.weight frozen, 4.weight tied to 2.weight): optim.state holds 568 B, the state of every "
+                      "parameter",
     }, id="zero1-every-rank-steps-everything"),
     pytest.param(ZERO1, answers.ZERO1_NO_BROADCAST, {
         ADAM_2: "rank 0, case 1 of 2 (torch.optim.Adam(lr=0.01), 3 steps, 4 rows per rank per step): 0.bias still "
                 f"holds its initial value; rank 1 stepped it {NOT_SENT} to every other rank",
         SGD_2: NOT_SENT,
         ADAM_3: f"0.bias still holds its initial value; rank 2 stepped it {NOT_SENT}",
+        SHARED_ADAM: f"2.bias still holds its initial value; rank 1 stepped it {NOT_SENT}",
     }, id="zero1-no-broadcast"),
     pytest.param(ZERO1, answers.ZERO1_NOT_AVERAGED, {
         ADAM_2: "rank 0, case 1 of 2 (torch.optim.Adam(lr=0.01), 3 steps, 4 rows per rank per step): 0.weight "
                 f"element [0, 0] is -0.266174, expected -0.265075: {OWN_ROWS} over the ranks before stepping",
         SGD_2: OWN_ROWS,
         ADAM_3: OWN_ROWS,
+        SHARED_ADAM: f"4.weight tied to 2.weight): 0.bias element 0 is 0.20676, expected 0.229451: {OWN_ROWS}",
     }, id="zero1-gradients-not-averaged"),
     # Adam's step hardly changes when every gradient is N times larger: only SGD shows the sum.
     pytest.param(ZERO1, answers.ZERO1_SUMMED, {
@@ -324,11 +331,26 @@ WRONG = [
         SHARE_2: "rank 0, case 1 of 2 (torch.optim.Adam(lr=0.01), 3 steps, 4 rows per rank per step): optim.state "
                  "holds 296 B (the state of 0.weight, 2.weight); the greedy split",
         SHARE_3: "optim.state holds 216 B (the state of 0.weight, 2.bias); the greedy split",
+        SHARED_SHARE: "optim.state holds 364 B (the state of 0.weight, 2.weight, 4.bias, 6.bias); the greedy split "
+                      "(largest first, each to the rank holding the fewest elements so far, the lowest rank on a tie) "
+                      "gives rank 0 0.bias, 2.weight, 4.bias: 396 B",
     }, id="zero1-round-robin-partition"),
     pytest.param(ZERO1, answers.ZERO1_WRAPS_TORCHS, {
         name: "RuntimeError: ZeroRedundancyOptimizer is what this exercise asks you to build: it is not allowed here"
-        for name in (ADAM_2, SGD_2, SHARE_2, ADAM_3, SHARE_3)
+        for name in (ADAM_2, SGD_2, SHARE_2, ADAM_3, SHARE_3, SHARED_ADAM, SHARED_SHARE)
     }, id="zero1-wraps-torchs-zero"),
+    pytest.param(ZERO1, answers.ZERO1_NONE_GRADIENT, {
+        name: ("rank 0 raised at cell line", "RuntimeError: TypeError: Invalid function argument. Expected parameter "
+               "`tensor` of type torch.Tensor (in this case the module's 0.weight is frozen (requires_grad=False: no "
+               "hook, its .grad stays None)")
+        for name in (SHARED_ADAM, SHARED_SHARE)
+    }, id="zero1-all-reduces-a-none-gradient"),
+    pytest.param(ZERO1, answers.ZERO1_SPLITS_TRAINABLE_ONLY, {
+        SHARED_SHARE: "rank 0, case 1 of 1 (torch.optim.Adam(lr=0.01), 3 steps, 4 rows per rank per step, 0.weight "
+                      "frozen, 4.weight tied to 2.weight): optim.state holds 292 B, the greedy split of the parameters that "
+                      "require a gradient only; split every parameter given, frozen ones included, as "
+                      "ZeroRedundancyOptimizer does",
+    }, id="zero1-splits-the-trainable-parameters-only"),
 ]
 
 

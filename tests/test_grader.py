@@ -118,7 +118,8 @@ def graded(tmp_path_factory):
 
 
 HIDDEN_CHECKS = '''
-from course_lib.grading.lessons.lesson01.exercises import _integer_tensors, _ring_sums
+from course_lib.grading.lessons.lesson01.common import _integer_tensors
+from course_lib.grading.lessons.lesson01.ring_allreduce import _ring_sums
 from course_lib.grading.spec import Item, RunSpec
 
 # SENTINEL-7f3a: must never reach a learner's process.

@@ -2,8 +2,9 @@
 
 The run cells publish what the formulas need: `flat` (`cl.sharding_of` on 3 ranks: each FlatParameter's
 unsharded size, padding per rank), `strategies` (per sharding strategy, in the cell's order: the bytes
-`cl.measure_step` found per phase) and `unit_numels` (the elements of the root unit and of each Block).
-The ledgers are the run cell's: each step sits between two world barriers.
+`cl.measure_step` found per phase, and `step_2`, step 2's [start, stop]), `flat_step` (the 3-rank forward and
+backward's [start, stop]) and `unit_numels` (the elements of the root unit and of each Block). The ledgers are
+the run cell's; a step's calls are those that started within its span (time.monotonic(), the ledger's clock).
 """
 
 from __future__ import annotations
@@ -19,10 +20,9 @@ __all__ = ["PREDICTIONS"]
 FLOAT32 = 4
 
 
-def _between_barriers(ledger: list, k: int) -> list:
-    """A rank's ledger entries after its k-th world barrier (0-based) and before the next one (or the end)."""
-    bounds = [i for i, e in enumerate(ledger) if e["op"] == "barrier" and e["group"] == "world"] + [len(ledger)]
-    return ledger[bounds[k] + 1:bounds[k + 1]]
+def _calls_in(ledger: list, span: list[float]) -> list:
+    """A rank's ledger entries that started within `span`, a [start, stop] on the ledger's clock."""
+    return [e for e in ledger if span[0] <= e["start"] <= span[1]]
 
 
 def _shards(numels: list[int], world_size: int) -> list:
@@ -39,7 +39,7 @@ def _flats(results: Mapping) -> tuple[list[int], int]:
 
 
 def _gather_measured(results: Mapping, ledgers: Mapping) -> int:
-    return sum(e["bytes"] for e in _between_barriers(ledgers[0], 0) if e["op"].startswith("all_gather"))
+    return sum(e["bytes"] for e in _calls_in(ledgers[0], results["flat_step"][0]) if e["op"].startswith("all_gather"))
 
 
 def _gather_formula(results: Mapping) -> int:
@@ -89,8 +89,7 @@ def _sent(entry: dict, world: int) -> Fraction:
 
 def _traffic_measured(results: Mapping, ledgers: Mapping) -> tuple:
     labels, _, world = _strategy_numbers(results)
-    # Each strategy's part of the cell has 4 world barriers; its 2nd opens step 2.
-    step_2 = {label: _between_barriers(ledgers[0], 4 * number + 1) for number, label in enumerate(labels)}
+    step_2 = {label: _calls_in(ledgers[0], results["strategies"][0][label]["step_2"]) for label in labels}
     return tuple(round(sum(_sent(e, world) for e in step_2[label])) for label in ("FULL_SHARD", "NO_SHARD"))
 
 

@@ -46,13 +46,10 @@ def _batch(size: int, seed: int) -> tuple:
     return torch.randn(size, FEATURES, generator=generator), torch.randn(size, OUT, generator=generator)
 
 
-def _model(weights: list, frozen=()):
+def _model(weights: list, frozen=(), tied=()):
     from .drivers import mlp_from_weights
 
-    model = mlp_from_weights(weights)
-    for name, parameter in model.named_parameters():
-        parameter.requires_grad_(name not in frozen)
-    return model
+    return mlp_from_weights(weights, frozen, tied)
 
 
 def _grads(weights: list, inputs, targets, frozen=()) -> dict:

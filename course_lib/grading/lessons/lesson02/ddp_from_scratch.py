@@ -5,9 +5,11 @@ fill buckets of at most a cap with gradients in the order they become ready and 
 asynchronous all-reduce per full bucket while backward runs; finish_gradient_synchronization()
 waits, averages and copies back; no_sync() accumulates without communicating.
 
-Each run has two cases (drivers.ddp_from_scratch runs both): the ranks start with the same
-parameters (gradients, parameters after 3 SGD steps, buckets, overlap, no_sync), and with
-different ones (rank 0's after the constructor; one process's after 3 steps). Overlap is read
+Each of the first two runs has two cases (drivers.ddp_from_scratch runs both): the ranks start with
+the same parameters (gradients, parameters after 3 SGD steps, buckets, overlap, no_sync), and with
+different ones (rank 0's after the constructor; one process's after 3 steps). The third run's module
+has a frozen parameter (its .grad stays None, it has no hook) and a weight tied to another layer's (one
+Parameter used twice, listed once by parameters(), ready once): gradients, steps and buckets. Overlap is read
 from the clock of the ledger: each all_reduce's start against when backward returned, when the
 last gradient was ready, and when anything waited for a collective.
 """
@@ -23,38 +25,50 @@ from ...spec import Exercise, Item, RunOutcome, RunSpec
 from .bucketed import greedy_buckets
 from .common import ALL_REDUCE, ATOL, LR, RTOL, _ratio_hint
 
-__all__ = ["DDP_FROM_SCRATCH", "LAYERS", "MICRO_ROWS", "ROWS", "ready_order"]
+__all__ = ["DDP_FROM_SCRATCH", "LAYERS", "MICRO_ROWS", "ROWS", "SHARED", "ready_order"]
 
 LAYERS = ((4, 8), (8, 8), (8, 2))  # (in, out) of each Linear: Linear(4, 8) -> ReLU -> Linear(8, 8) -> ReLU -> Linear(8, 2)
 ROWS, MICRO_ROWS, STEPS = 4, 2, 3  # rows per rank in each step, in each micro-batch; SGD steps before the no_sync one
 NAMES = tuple(f"{2 * i}.{kind}" for i in range(len(LAYERS)) for kind in ("weight", "bias"))
+# The third run's module: Linear(4, 8) -> ReLU -> Linear(8, 8) -> ReLU -> Linear(8, 8) -> ReLU -> Linear(8, 2), its first
+# weight frozen (a frozen embedding's place) and its third layer's weight the second's (tied, as an LM head and its
+# embedding are): 6 parameters that train, one listed by parameters() but without a gradient.
+SHARED = {"layers": ((4, 8), (8, 8), (8, 8), (8, 2)), "frozen": ("0.weight",), "tied": (("4.weight", "2.weight"),)}
 
 
-def _weights(seed: int) -> list:
+def _weights(seed: int, layers: tuple = LAYERS) -> list:
     """[0.weight, 0.bias, 2.weight, ...], drawn as nn.Linear draws them (uniform within 1/sqrt(fan_in))."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
-    shapes = [shape for fan_in, out in LAYERS for shape in (((out, fan_in), fan_in), ((out,), fan_in))]
+    shapes = [shape for fan_in, out in layers for shape in (((out, fan_in), fan_in), ((out,), fan_in))]
     return [(torch.rand(shape, generator=generator) * 2 - 1) / math.sqrt(fan_in) for shape, fan_in in shapes]
 
 
-def _model(weights: list):
+def _model(weights: list, frozen=(), tied=()):
     from .drivers import mlp_from_weights
 
-    return mlp_from_weights(weights)
+    return mlp_from_weights(weights, frozen, tied)
+
+
+def _shape_of(outcome: RunOutcome, case: int) -> tuple:
+    """(frozen, tied) of a case's module: empty for the plain one."""
+    args = outcome.inputs[case][0]
+    return (tuple(args[5]), tuple(map(tuple, args[6]))) if len(args) > 5 else ((), ())
 
 
 @functools.cache
-def ready_order() -> tuple[tuple[str, int], ...]:
-    """(name, bytes) of each gradient in the order backward makes it ready: one process's hooks say."""
+def ready_order(layers: tuple = LAYERS, frozen: tuple = (), tied: tuple = ()) -> tuple[tuple[str, int], ...]:
+    """(name, bytes) of each gradient in the order backward makes it ready: one process's hooks say
+    (a tied weight once, a frozen one never)."""
     import torch
 
-    model, order = _model(_weights(0)), []
+    model, order = _model(_weights(0, layers), frozen, tied), []
     for name, parameter in model.named_parameters():
-        parameter.register_post_accumulate_grad_hook(
-            lambda p, name=name: order.append((name, p.grad.numel() * p.grad.element_size())))
-    model(torch.zeros(1, LAYERS[0][0])).sum().backward()
+        if parameter.requires_grad:
+            parameter.register_post_accumulate_grad_hook(
+                lambda p, name=name: order.append((name, p.grad.numel() * p.grad.element_size())))
+    model(torch.zeros(1, layers[0][0])).sum().backward()
     return tuple(order)
 
 
@@ -88,7 +102,7 @@ def _reference(outcome: RunOutcome, case: int) -> dict:
     import torch
 
     n, inputs = outcome.nproc, outcome.inputs[case]
-    model = _model(inputs[0][0])
+    model = _model(inputs[0][0], *_shape_of(outcome, case))
     optimizer = torch.optim.SGD(model.parameters(), lr=inputs[0][4])
     batches = [(torch.cat([inputs[r][2][s][0] for r in range(n)]), torch.cat([inputs[r][2][s][1] for r in range(n)]))
                for s in range(STEPS)]
@@ -97,7 +111,8 @@ def _reference(outcome: RunOutcome, case: int) -> dict:
     found: dict = {"grads": [], "params": []}
     for x, y in batches:
         torch.nn.functional.mse_loss(model(x), y).backward()
-        found["grads"].append({name: p.grad.clone() for name, p in model.named_parameters()})
+        found["grads"].append({name: None if p.grad is None else p.grad.clone()
+                               for name, p in model.named_parameters()})
         optimizer.step()
         optimizer.zero_grad()
         found["params"].append({name: p.detach().clone() for name, p in model.named_parameters()})
@@ -115,7 +130,35 @@ def _own_grads(outcome: RunOutcome, case: int, rank: int) -> dict:
 
 
 def _label(outcome: RunOutcome, case: int) -> str:
+    frozen, tied = _shape_of(outcome, case)
+    if frozen or tied:
+        return _shared_label(frozen, tied)
     return ("the ranks start from the same parameters", "the ranks start from different parameters")[case]
+
+
+def _shared_label(frozen: tuple, tied: tuple) -> str:
+    return ("the module with " + " and ".join([f"{name} frozen" for name in frozen]
+                                              + [f"{name} tied to {source}" for name, source in tied]))
+
+
+def _shared_cases(n: int, cap: int, seed: int) -> list[dict[int, tuple]]:
+    """One case, every rank from the same weights of SHARED's module: its frozen and tied names ride along."""
+    import torch
+
+    layers = SHARED["layers"]
+    generator = torch.Generator().manual_seed(seed)
+    rows = STEPS * n * ROWS + 2 * n * MICRO_ROWS
+    inputs = torch.randn(rows, layers[0][0], generator=generator)
+    targets = torch.randn(rows, layers[-1][1], generator=generator)
+    weights, case = _weights(seed, layers), {}
+    for r in range(n):
+        steps = [(inputs[(s * n + r) * ROWS:(s * n + r + 1) * ROWS], targets[(s * n + r) * ROWS:(s * n + r + 1) * ROWS])
+                 for s in range(STEPS)]
+        base = STEPS * n * ROWS
+        micro = [(inputs[base + (2 * r + i) * MICRO_ROWS:base + (2 * r + i + 1) * MICRO_ROWS],
+                  targets[base + (2 * r + i) * MICRO_ROWS:base + (2 * r + i + 1) * MICRO_ROWS]) for i in range(2)]
+        case[r] = (weights, cap, steps, micro, LR, list(SHARED["frozen"]), [list(pair) for pair in SHARED["tied"]])
+    return [case]
 
 
 def _all_reduces(result, start: float, end: float) -> list[dict]:
@@ -159,16 +202,16 @@ def _averaged(outcome: RunOutcome) -> list[str]:
 
 
 def _equal_to_one_process(outcome: RunOutcome) -> list[str]:
-    """Both cases: after 3 SGD steps every rank's parameters are one process's, started from rank 0's."""
+    """Every case: after 3 SGD steps every rank's parameters are one process's, started from rank 0's."""
     for case, by_rank in enumerate(outcome.results):
         expected = _reference(outcome, case)["params"]
-        rank0 = outcome.inputs[case][0][0]
+        rank0 = dict(_model(outcome.inputs[case][0][0], *_shape_of(outcome, case)).named_parameters())
         strays = [rank for rank, result in sorted(by_rank.items())
-                  if any(first_difference(result.output["start"][name], rank0[i]) for i, name in enumerate(NAMES))]
+                  if any(first_difference(result.output["start"][name], rank0[name].detach()) for name in rank0)]
         for rank, result in sorted(by_rank.items()):
             for step in range(STEPS):
                 got = result.output["params"][step]
-                for name in NAMES:
+                for name in rank0:
                     wrong = first_difference(got[name], expected[step][name], rtol=RTOL, atol=ATOL)
                     if not wrong:
                         continue
@@ -180,10 +223,10 @@ def _equal_to_one_process(outcome: RunOutcome) -> list[str]:
     return []
 
 
-def _bucket_hint(got: list[int], expected: list[int], cap: int) -> str:
-    order = ready_order()
+def _bucket_hint(got: list[int], expected: list[int], cap: int, order: tuple = (), names: tuple = NAMES) -> str:
+    order = order or ready_order()
     ready = [nbytes for _, nbytes in order]
-    in_parameter_order = [nbytes for _, nbytes in sorted(order, key=lambda item: NAMES.index(item[0]))]
+    in_parameter_order = [nbytes for _, nbytes in sorted(order, key=lambda item: names.index(item[0]))]
     if got == ready:
         return ": one all_reduce per gradient; pack the gradients into flat buckets"
     if got == expected[:-1]:
@@ -317,10 +360,74 @@ def _rank0_parameters(outcome: RunOutcome) -> list[str]:
     return []
 
 
+def _shared_grads(outcome: RunOutcome) -> list[str]:
+    """The module with a frozen and a tied parameter: after each finish_gradient_synchronization() the frozen
+    parameter's .grad is still None and every other .grad (the tied one: both uses' sum) is one process's."""
+    n, case = outcome.nproc, 0
+    frozen, tied = _shape_of(outcome, case)
+    expected = _reference(outcome, case)["grads"]
+    for rank, result in sorted(outcome.results[case].items()):
+        for step, got in enumerate(result.output["grads"]):
+            where = f"rank {rank}, {_label(outcome, case)}, step {step + 1}"
+            for name, want in expected[step].items():
+                if want is None:
+                    if got[name] is not None:
+                        return [f"{where}: {name} is frozen (requires_grad=False) but its .grad is a tensor after "
+                                "finish_gradient_synchronization(); a parameter that gets no gradient must keep "
+                                ".grad None (the optimizer then skips it)"]
+                    continue
+                if got[name] is None:
+                    return [f"{where}: {name}.grad is None after finish_gradient_synchronization()"]
+                wrong = first_difference(got[name], want, rtol=RTOL, atol=ATOL)
+                if wrong:
+                    hint = _ratio_hint(got[name], want, n)
+                    if name in dict(tied).values() and not hint:
+                        hint = (": the tied weight's gradient is the sum over both layers that use it, which "
+                                "autograd makes before its one hook runs")
+                    return [f"{where}: {name}.grad after finish_gradient_synchronization() {wrong}{hint}"]
+    return []
+
+
+def _shared_buckets(outcome: RunOutcome) -> list[str]:
+    """The module with a frozen and a tied parameter, each step: one all_reduce per bucket of the gradients that
+    exist (the frozen one has none, the tied one is ready once), in the order they become ready."""
+    case = 0
+    frozen, tied = _shape_of(outcome, case)
+    layers = tuple(tuple(w.shape[::-1]) for w in outcome.inputs[case][0][0][::2])
+    order = ready_order(layers, frozen, tied)
+    sizes = dict(order)
+    for rank, result in sorted(outcome.results[case].items()):
+        cap = outcome.inputs[case][rank][1]
+        expected = greedy_buckets([nbytes for _, nbytes in order], cap)
+        for step, times in enumerate(result.output["times"]):
+            got = [e["bytes"] for e in _all_reduces(result, times["backward"][0], times["finish_end"])]
+            if got == expected:
+                continue
+            shown = lambda values: ", ".join(binary_bytes(v) for v in values)  # noqa: E731
+            where = (f"rank {rank}, {_label(outcome, case)}, step {step + 1}: {len(got)} all_reduce "
+                     f"call{'s' if len(got) != 1 else ''}{' of ' + shown(got) if got else ''}, expected "
+                     f"{len(expected)}, of {shown(expected)} (buckets of at most {binary_bytes(cap)})")
+            extra = sum(got) - sum(expected)
+            twice = [source for _, source in tied if sizes.get(source) == extra]
+            if twice:
+                return [f"{where}: {twice[0]} was all-reduced twice; it is one Parameter used by two layers, "
+                        "listed once by module.parameters() and ready once per backward: give it one hook and one "
+                        "place in a bucket"]
+            if got == expected[:-1]:
+                return [f"{where}: the last bucket was never all-reduced; {', '.join(frozen)} is frozen: it gets "
+                        "no gradient and its hook never runs, so count only the parameters that require a "
+                        "gradient when you wait for the last one"]
+            names = tuple(name for name, _ in _model(outcome.inputs[case][0][0], frozen, tied).named_parameters())
+            return [where + _bucket_hint(got, expected, cap, order, names)]
+    return []
+
+
 # Bytes: 5 buckets on 2 ranks (two gradients larger than the cap), 3 on 3 ranks. At each cap the buckets in
 # the order gradients become ready differ from those made in the order of module.parameters() and started as
 # each completes (at 128 B on 2 ranks both would send 104, 256, 32, 128 B).
 CAPS = {2: 96, 3: 300}
+# The shared module's gradients (104, 32, 256, 32 B at this cap): one more 256 B is the tied weight twice.
+SHARED_CAP = 128
 
 DDP_FROM_SCRATCH = Exercise(
     id="02.ddp_from_scratch",
@@ -346,6 +453,13 @@ DDP_FROM_SCRATCH = Exercise(
                       _equal_to_one_process),
                  Item(f"one all_reduce per bucket of at most {CAPS[3]} B (3 ranks)", 1, _one_all_reduce_per_bucket),
                  Item("the constructor gives every rank rank 0's parameters (3 ranks)", 1, _rank0_parameters))),
+        RunSpec(2, lambda n: _shared_cases(n, SHARED_CAP, seed=101),
+                (Item("a frozen parameter keeps .grad None, a tied weight's gradient is averaged once, the others "
+                      "equal one process (2 ranks)", 1, _shared_grads),
+                 Item("3 SGD steps of the module with a frozen and a tied parameter equal one process (2 ranks)", 1,
+                      _equal_to_one_process),
+                 Item(f"one all_reduce per bucket of at most {SHARED_CAP} B of the gradients that exist: none for "
+                      "the frozen parameter, the tied one once (2 ranks)", 1, _shared_buckets))),
     ),
     hints=(
         "Reread lesson 02, section 2 (what DDP's constructor does) and, in section 4, 'The two pieces of the "

@@ -11,6 +11,7 @@ also on a GPU node, so there the device is the CPU.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Callable
 
@@ -18,7 +19,7 @@ import torch
 
 from ...drivers import describe, rank_device
 
-__all__ = ['mlp_from_weights', 'in_place_list', 'ddp_accumulation', 'ddp_comm_hook', 'ddp_from_scratch']
+__all__ = ['mlp_from_weights', 'shared_parameters_named', 'in_place_list', 'ddp_accumulation', 'ddp_comm_hook', 'ddp_from_scratch']
 
 
 def _to(pairs: list, device: torch.device) -> list:
@@ -26,11 +27,13 @@ def _to(pairs: list, device: torch.device) -> list:
     return [(x.to(device), y.to(device)) for x, y in pairs]
 
 
-def mlp_from_weights(weights: list[torch.Tensor]) -> torch.nn.Sequential:
+def mlp_from_weights(weights: list[torch.Tensor], frozen=(), tied=()) -> torch.nn.Sequential:
     """Linear -> ReLU -> ... -> Linear holding copies of `weights` = [0.weight, 0.bias, 2.weight, 2.bias, ...], float32.
 
-    One Linear per (weight, bias) pair, a ReLU between two. The checker builds its single-process
-    reference from the same call, so both hold the same values.
+    One Linear per (weight, bias) pair, a ReLU between two. `tied`: (name, source) pairs, the
+    parameter `name` replaced by the Parameter `source` (one tensor used twice, listed once by
+    parameters(); its value in `weights` unused); `frozen`: names that get requires_grad=False.
+    The checker builds its single-process reference from the same call, so both hold the same values.
     """
     layers: list[torch.nn.Module] = []
     for weight in weights[::2]:
@@ -41,7 +44,32 @@ def mlp_from_weights(weights: list[torch.Tensor]) -> torch.nn.Sequential:
     with torch.no_grad():
         for parameter, value in zip(model.parameters(), weights):
             parameter.copy_(value)
+    for name, source in tied:
+        owner, attribute = name.rsplit(".", 1)
+        setattr(model.get_submodule(owner), attribute, model.get_parameter(source))
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(name not in frozen)
     return model
+
+
+@contextlib.contextmanager
+def shared_parameters_named(frozen=(), tied=()):
+    """An exception raised inside, on a module with frozen or tied parameters, says which they are: a learner
+    whose code meets `p.grad is None` (or a hook refused on a frozen tensor) learns why from one line."""
+    if not frozen and not tied:
+        yield
+        return
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - re-raised with the module's shape added, where it is the cause
+        text = str(exc)
+        if isinstance(exc, NotImplementedError) or not ("None" in text or "require" in text):
+            raise  # a stub ("not written yet"), a refused call: the line says it all
+        what = [f"{name} is frozen (requires_grad=False: no hook, its .grad stays None)" for name in frozen]
+        what += [f"{name} is {source} (one Parameter used by two layers, listed once by parameters())"
+                 for name, source in tied]
+        raise RuntimeError(f"{type(exc).__name__}: {text.splitlines()[0]} "
+                           f"(in this case the module's {'; '.join(what)})") from exc
 
 
 def _copies(named: dict) -> dict:
@@ -180,8 +208,9 @@ class _WaitClock:
 
 
 def ddp_from_scratch(fn: Callable, weights: list, bucket_cap_bytes: int, steps: list, micro_batches: list,
-                     lr: float) -> dict:
-    """model = fn(module, bucket_cap_bytes) (the learner's class), SGD(lr) over the module's parameters:
+                     lr: float, frozen=(), tied=()) -> dict:
+    """model = fn(module, bucket_cap_bytes) (the learner's class), SGD(lr) over the module's parameters
+    (`frozen` and `tied`: see mlp_from_weights):
     3 steps of forward, backward, model.finish_gradient_synchronization(), step, zero_grad on this
     rank's batches `steps`; then one step over 2 micro-batches, the first run inside model.no_sync().
 
@@ -195,11 +224,12 @@ def ddp_from_scratch(fn: Callable, weights: list, bucket_cap_bytes: int, steps: 
 
     cls = inspect.unwrap(fn)
     device = rank_device()
-    module = mlp_from_weights(weights).to(device)
+    module = mlp_from_weights(weights, frozen, [tuple(pair) for pair in tied]).to(device)
     steps, micro_batches = _to(steps, device), _to(micro_batches, device)
     ready_at: list[float] = []
     for parameter in module.parameters():
-        parameter.register_post_accumulate_grad_hook(lambda p: ready_at.append(time.monotonic()))
+        if parameter.requires_grad:
+            parameter.register_post_accumulate_grad_hook(lambda p: ready_at.append(time.monotonic()))
     loss_fn = torch.nn.functional.mse_loss
     out: dict = {"params": [], "grads": [], "times": []}
 
@@ -209,7 +239,7 @@ def ddp_from_scratch(fn: Callable, weights: list, bucket_cap_bytes: int, steps: 
     def grads() -> dict:
         return _copies({n: p.grad for n, p in module.named_parameters()})
 
-    with _WaitClock() as waits, fn.learner_code():
+    with _WaitClock() as waits, fn.learner_code(), shared_parameters_named(frozen, tied):
         model = cls(module, bucket_cap_bytes)
         out["start"] = params()
         optimizer = torch.optim.SGD(module.parameters(), lr=lr)

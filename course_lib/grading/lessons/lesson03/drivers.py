@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from ...drivers import describe, refused
-from ..lesson02.drivers import _copies, mlp_from_weights
+from ..lesson02.drivers import _copies, mlp_from_weights, shared_parameters_named
 
 __all__ = ['ddp_join_training', 'counting_joinable', 'zero_sharded_checkpoint', 'zero1_by_hand']
 
@@ -202,14 +202,16 @@ def zero_sharded_checkpoint(fn: Callable, weights: list, before: list, after: li
     return {**result, "params": _copies(dict(model.named_parameters()))}
 
 
-def zero1_by_hand(fn: Callable, weights: list, steps: list, optimizer_name: str, defaults: dict) -> dict:
+def zero1_by_hand(fn: Callable, weights: list, steps: list, optimizer_name: str, defaults: dict, frozen=(),
+                  tied=()) -> dict:
     """`fn` is the learner's ShardedOptimizer class: optimizer = fn(model.parameters(), torch.optim.<name>,
-    **defaults) over a plain model; one step per (inputs, targets) of `steps` (this rank's rows), each
+    **defaults) over a plain model (`frozen`, `tied`: see mlp_from_weights); one step per (inputs, targets) of
+    `steps` (this rank's rows), each
     zero_grad(), backward of mse_loss, step(). Send back the parameters, the bytes of the tensors in
     optimizer.optim.state, and which parameters (by index) optimizer.optim holds."""
-    model = mlp_from_weights(weights)
+    model = mlp_from_weights(weights, frozen, [tuple(pair) for pair in tied])
     cls = inspect.unwrap(fn)
-    with fn.learner_code(), refused(("torch.distributed.optim", "ZeroRedundancyOptimizer", "ZeroRedundancyOptimizer")):
+    with fn.learner_code(), shared_parameters_named(frozen, tied), refused(("torch.distributed.optim", "ZeroRedundancyOptimizer", "ZeroRedundancyOptimizer")):
         optimizer = cls(model.parameters(), getattr(torch.optim, optimizer_name), **defaults)
         for inputs, targets in steps:
             optimizer.zero_grad()
