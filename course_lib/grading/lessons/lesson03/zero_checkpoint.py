@@ -15,7 +15,7 @@ saved, nothing restored, and a gather while saving (lesson 03's consolidate_stat
 
 from __future__ import annotations
 
-from ...compare import first_difference
+from ...compare import each_result, first_difference
 from ...spec import Exercise, Item, RunOutcome, RunSpec
 from .common import ADAM_LR, ATOL, NAMES, RTOL, ZERO_PRELOAD, _batch, _weights, greedy_owners, optimizer_reference
 
@@ -89,18 +89,17 @@ def _owners(outcome: RunOutcome, case: int, world: int) -> list[int]:
 
 def _no_collective_while_saving(outcome: RunOutcome) -> list[str]:
     """No rank calls a collective between entering save_shards and returning from it (the ledger)."""
-    for case, by_rank in enumerate(outcome.results):
-        for rank in sorted(by_rank):
-            span = by_rank[rank].output.get("save_span")
-            if span is None:
-                continue
-            calls = [e for e in by_rank[rank].ledger if span[0] <= e["start"] <= span[1]]
-            if calls:
-                named = ", ".join(f"{e['op']} #{e['seq']} ({e['bytes']} B)" for e in calls[:3])
-                more = f" and {len(calls) - 3} more" if len(calls) > 3 else ""
-                return [f"rank {rank}, {_label(outcome, case)}: save_shards called {named}{more}; each rank writes "
-                        "the state it holds, without communicating: gathering every share on one rank (as "
-                        "consolidate_state_dict does) needs that rank to hold the whole state at once"]
+    for case, rank, result in each_result(outcome):
+        span = result.output.get("save_span")
+        if span is None:
+            continue
+        calls = [e for e in result.ledger if span[0] <= e["start"] <= span[1]]
+        if calls:
+            named = ", ".join(f"{e['op']} #{e['seq']} ({e['bytes']} B)" for e in calls[:3])
+            more = f" and {len(calls) - 3} more" if len(calls) > 3 else ""
+            return [f"rank {rank}, {_label(outcome, case)}: save_shards called {named}{more}; each rank writes "
+                    "the state it holds, without communicating: gathering every share on one rank (as "
+                    "consolidate_state_dict does) needs that rank to hold the whole state at once"]
     return []
 
 

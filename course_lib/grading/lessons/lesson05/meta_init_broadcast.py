@@ -56,26 +56,25 @@ def _meta_label(outcome: RunOutcome, case: int) -> str:
 def _built_on_meta(outcome: RunOutcome) -> list[str]:
     """build() ran once, on the meta device; the returned model's parameters are DTensors Shard(0) over all
     ranks, on the CPU (to_empty gave them memory)."""
-    for case, by_rank in enumerate(outcome.results):
-        for rank, result in sorted(by_rank.items()):
-            where = f"rank {rank}, {_meta_label(outcome, case)}"
-            built = result.output["built_on"]
-            if built != ["meta"]:
-                if not built:
-                    return [f"{where}: build() was not called: build the model with it, under torch.device('meta')"]
-                if built[0] != "meta":
-                    return [f"{where}: build() made the parameters on the {built[0]} device, so every rank held and "
-                            "initialised the whole model; call it inside `with torch.device('meta'):`"]
-                return [f"{where}: build() was called {len(built)} times, expected once"]
-            if "returned" in result.output:
-                return [f"{where}: the function returned a {result.output['returned']}, expected the sharded model"]
-            for name, described in result.output["params"].items():
-                if described["device"] == "meta":
-                    return [f"{where}: {name} is still on the meta device (no memory): call "
-                            "model.to_empty(device=...) after fully_shard, on the default group's device (the CPU under gloo)"]
-                wrong = expected_placements(described, outcome.nproc)
-                if wrong:
-                    return [f"{where}: {name} {wrong}"]
+    for case, rank, result in each_result(outcome):
+        where = f"rank {rank}, {_meta_label(outcome, case)}"
+        built = result.output["built_on"]
+        if built != ["meta"]:
+            if not built:
+                return [f"{where}: build() was not called: build the model with it, under torch.device('meta')"]
+            if built[0] != "meta":
+                return [f"{where}: build() made the parameters on the {built[0]} device, so every rank held and "
+                        "initialised the whole model; call it inside `with torch.device('meta'):`"]
+            return [f"{where}: build() was called {len(built)} times, expected once"]
+        if "returned" in result.output:
+            return [f"{where}: the function returned a {result.output['returned']}, expected the sharded model"]
+        for name, described in result.output["params"].items():
+            if described["device"] == "meta":
+                return [f"{where}: {name} is still on the meta device (no memory): call "
+                        "model.to_empty(device=...) after fully_shard, on the default group's device (the CPU under gloo)"]
+            wrong = expected_placements(described, outcome.nproc)
+            if wrong:
+                return [f"{where}: {name} {wrong}"]
     return []
 
 
