@@ -155,3 +155,15 @@ assert CRASH_IN_PLACE != CRASH_SOLUTION
 CRASH_SWALLOWS = CRASH_SOLUTION.replace(
     "    dcp.save(state, checkpoint_id=os.path.join(root, name))\n",
     "    try:\n        dcp.save(state, checkpoint_id=os.path.join(root, name))\n    except BaseException:\n        return\n")
+
+# Every rank installs LATEST itself, each through a temporary name of its own, after dcp.save returned: each
+# os.replace is atomic and names a complete checkpoint, so it is right (the freed inodes of the ranks' files
+# may be reused at once: the grader must not take "the same inode number" for "rewritten in place").
+CRASH_EVERY_RANK_REPLACES = CRASH_SOLUTION.replace('''    if dist.get_rank() == 0:
+        with open(os.path.join(root, "LATEST.tmp"), "w") as handle:
+            handle.write(name)
+        os.replace(os.path.join(root, "LATEST.tmp"), os.path.join(root, "LATEST"))''', '''    pending = os.path.join(root, f"LATEST.tmp{dist.get_rank()}")
+    with open(pending, "w") as handle:
+        handle.write(name)
+    os.replace(pending, os.path.join(root, "LATEST"))''')
+assert CRASH_EVERY_RANK_REPLACES != CRASH_SOLUTION

@@ -67,6 +67,13 @@ def test_solution_scores_full_marks(exercise_id, ranks):
     assert_full_marks(exercise_id, SOLUTIONS[exercise_id], ranks=ranks)
 
 
+@pytest.mark.slow
+def test_every_rank_replacing_latest_through_its_own_temporary_file_scores_full_marks(ranks):
+    # Two ranks' os.replace each step: on ext4 the freed inode of one is reused by the next, so LATEST after step
+    # 2 can carry step 1's inode number although it was replaced, never rewritten.
+    assert_full_marks(CRASH, answers.CRASH_EVERY_RANK_REPLACES, ranks=ranks)
+
+
 @pytest.mark.parametrize("exercise_id", IDS)
 def test_stub_scores_zero_and_says_what_to_write_once(exercise_id, ranks):
     assert_stub_scores_zero_with_its_first_hint_once(exercise_id, STUBS[exercise_id], ranks=ranks)

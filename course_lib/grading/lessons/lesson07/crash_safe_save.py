@@ -1,6 +1,7 @@
 """07.crash_safe_save: a save that fails part-way leaves LATEST naming the previous, complete checkpoint.
 
-Judged: a folder per save, LATEST replaced in one step (a new file each save, not rewritten in place), the
+Judged: a folder per save, LATEST replaced in one step (a new file each save, not rewritten in place: told apart with
+os.path.samestat against the previous LATEST held open, not by inode numbers, which ext4 reuses at once), the
 failed save raising, and the checkpoint LATEST names after it loading and equal to one process.
 """
 
@@ -31,8 +32,7 @@ def _latest_after_good_saves(outcome: RunOutcome) -> list[str]:
             return [f"rank {rank}: the saves of step 1 and step 2 both went to {out['named'][1]!r}: the second "
                     "wrote over the first, the last good checkpoint while it was being written; give each save "
                     "a folder of its own"]
-        inodes = out["inodes"]
-        if len(inodes) >= 2 and inodes[0] == inodes[1]:
+        if out["replaced"] and not out["replaced"][0]:
             return [f"rank {rank}: after the save of step 2, LATEST is the same file as after step 1, rewritten "
                     "in place: a crash while it is being written leaves it empty or half written; write a "
                     "temporary file and os.replace it onto LATEST (one step: old or new, never half)"]

@@ -243,16 +243,21 @@ def dcp_crash_safe_save(fn: Callable, root: str) -> dict:
     run = new_run(mesh)
     states, named = {}, {}
 
-    inodes = []
+    # LATEST as each save left it, held open: os.replace installs a new file, open(path, "w") rewrites the same
+    # one. An open file's inode cannot be handed to another file (ext4 reuses a freed one at once), so
+    # os.path.samestat against the previous save's tells the two apart.
+    opened, replaced = [], []
 
     def latest() -> str | None:
         dist.barrier()  # rank 0 may still be writing it when another rank returns
         path = os.path.join(root, "LATEST")
         if not os.path.exists(path):
             return None
-        inodes.append(os.stat(path).st_ino)  # os.replace installs a new file; open(path, "w") rewrites the same one
-        with open(path) as handle:
-            return handle.read().strip()
+        handle = open(path)
+        if opened:
+            replaced.append(not os.path.samestat(os.fstat(opened[-1].fileno()), os.fstat(handle.fileno())))
+        opened.append(handle)
+        return handle.read().strip()
 
     for step in (1, 2):
         train(run, step)
@@ -294,7 +299,9 @@ def dcp_crash_safe_save(fn: Callable, root: str) -> dict:
                            optim_state_dict=state["optim"])
         except BaseException as exc:  # noqa: BLE001 - CheckpointException
             load_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+    for handle in opened:
+        handle.close()
     folders = sorted(os.listdir(root)) if os.path.isdir(root) else []
-    return {"named": named, "raised": raised, "inodes": inodes, "load_error": load_error, "folders": folders,
+    return {"named": named, "raised": raised, "replaced": replaced, "load_error": load_error, "folders": folders,
             "loaded": full_state(fresh.model, fresh.optimizer), "states": states,
             "after_3": full_state(run.model, run.optimizer)}
