@@ -167,3 +167,18 @@ CRASH_EVERY_RANK_REPLACES = CRASH_SOLUTION.replace('''    if dist.get_rank() == 
         handle.write(name)
     os.replace(pending, os.path.join(root, "LATEST"))''')
 assert CRASH_EVERY_RANK_REPLACES != CRASH_SOLUTION
+
+# Rank 0 reads the file and sends all of it to every rank in one object; each rank then holds the whole state
+# (what sharding keeps off it) and loads it as if it had read the file.
+RESHARD_BROADCAST_WHOLE = '''%%exercise 07.reshard_load
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+
+def load_resharded(model, optimizer, path):
+    box = [torch.load(path, weights_only=True) if path is not None else None]
+    dist.broadcast_object_list(box, src=0)
+    set_state_dict(model, optimizer, model_state_dict=box[0]["model"], optim_state_dict=box[0]["optim"],
+                   options=StateDictOptions(full_state_dict=True))
+'''

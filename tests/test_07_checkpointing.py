@@ -82,6 +82,7 @@ def test_stub_scores_zero_and_says_what_to_write_once(exercise_id, ranks):
 RESUMED = "a new run loaded from the checkpoint reproduces the uninterrupted losses, bit for bit (2 ranks)"
 RESHARD_PARAMS_2 = "one process -> FSDP2: the parameters equal one process after 2 steps (2 ranks)"
 RESHARD_OPTIM_2 = "one process -> FSDP2: Adam's moments, step counts and lr equal one process's (2 ranks)"
+RESHARD_PIECES_2 = "one process -> FSDP2: rank 1 never receives half the checkpoint or more at once (2 ranks)"
 RESHARD_PARAMS_4 = "one process -> HSDP (2, 2): the parameters equal one process after 2 steps (4 ranks)"
 RESHARD_OPTIM_4 = "one process -> HSDP (2, 2): Adam's moments, step counts and lr equal one process's (4 ranks)"
 OWN_FOLDER = "after each save, LATEST names a checkpoint of its own and was replaced in one step (2 ranks)"
@@ -112,6 +113,11 @@ WRONG = [
         RESHARD_OPTIM_2: ("loaded on 2 ranks over a mesh of 2 (FSDP2)", "the optimizer's state was not loaded"),
         RESHARD_OPTIM_4: ("loaded on 4 ranks over a (2, 2) mesh (HSDP", "the optimizer's state was not loaded"),
     }, id="reshard-model-only"),
+    # The whole file broadcast as one object: every rank holds all of it, what the exercise rules out.
+    pytest.param(RESHARD, answers.RESHARD_BROADCAST_WHOLE, {
+        RESHARD_PIECES_2: ("rank 1, loaded on 2 ranks over a mesh of 2 (FSDP2): it received",
+                           "in one object from an object collective", "it held the whole state at once"),
+    }, id="reshard-whole-file-broadcast-to-every-rank"),
     pytest.param(CRASH, answers.CRASH_IN_PLACE, {
         OWN_FOLDER: ("LATEST is the same file as after step 1, rewritten in place", "os.replace"),
     }, id="crash-latest-rewritten-in-place"),
@@ -135,7 +141,7 @@ WRONG = [
 def test_wrong_answer_loses_the_right_points_and_says_why(exercise_id, source, lost, ranks):
     got = assert_loses_exactly(exercise_id, source, lost, ranks=ranks)
     for message in got.values():
-        assert re.match(r"rank 0[,: ]", message), message
+        assert re.match(r"rank \d[,: ]", message), message
 
 
 @pytest.mark.slow
@@ -143,7 +149,7 @@ def test_whole_tensors_without_broadcast_from_rank0_fail_on_a_rank_without_the_f
     # full_state_dict=True alone: every rank must hold the whole dicts; the ranks without the file have none and
     # torch says so (on 4 ranks, whichever of ranks 1-3 raises first is named).
     lost = {name: (" raised at cell line", "optim state_dict is empty")
-            for name in (RESHARD_PARAMS_2, RESHARD_OPTIM_2, RESHARD_PARAMS_4, RESHARD_OPTIM_4)}
+            for name in (RESHARD_PARAMS_2, RESHARD_OPTIM_2, RESHARD_PIECES_2, RESHARD_PARAMS_4, RESHARD_OPTIM_4)}
     got = assert_loses_exactly(RESHARD, answers.RESHARD_NO_BROADCAST, lost, ranks=ranks)
     for message in got.values():
         assert re.match(r"rank [1-3] raised", message), message

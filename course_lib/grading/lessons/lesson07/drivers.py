@@ -216,13 +216,28 @@ def dcp_reshard_load(fn: Callable, steps: int, layout: str, path: str) -> dict:
     else:
         mesh = _mesh((world,))
     target = new_run(mesh, lr=FRESH_LR)
-    result = fn(target.model, target.optimizer, path if rank == 0 else None)
+    # The bytes of each object this rank unpickles from an object collective (broadcast_object_list,
+    # scatter_object_list, all_gather_object, ...: every one calls _tensor_to_object on a receiver): the ledger
+    # sees their tensors only as the objects' list, not their size.
+    from torch.distributed import distributed_c10d as c10d
+
+    objects, unpickle = [], c10d._tensor_to_object
+
+    def measured(tensor, size, group):
+        objects.append(int(size))
+        return unpickle(tensor, size, group)
+
+    c10d._tensor_to_object = measured
+    try:
+        result = fn(target.model, target.optimizer, path if rank == 0 else None)
+    finally:
+        c10d._tensor_to_object = unpickle
     # A rank back while another still waits in the load: this barrier (recorded, unlike full_tensor's gathers)
     # lets a deadline's diagnosis say that this rank left the load and the other did not.
     dist.barrier()
     loaded = full_state(target.model, target.optimizer)
     loaded["lr"] = target.optimizer.param_groups[0]["lr"]
-    return {"returned": None if result is None else type(result).__name__, "loaded": loaded}
+    return {"returned": None if result is None else type(result).__name__, "loaded": loaded, "objects": objects}
 
 
 class _DiesAfterWriting(Exception):
