@@ -110,48 +110,109 @@ def load_resharded(model, optimizer, path):
                    options=StateDictOptions(full_state_dict=True))
 '''
 
+# Rank 0 reads the file and sends all of it to every rank in one object; each rank then holds the whole state
+# (what sharding keeps off it) and loads it as if it had read the file.
+RESHARD_BROADCAST_WHOLE = '''%%exercise 07.reshard_load
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+
+def load_resharded(model, optimizer, path):
+    box = [torch.load(path, weights_only=True) if path is not None else None]
+    dist.broadcast_object_list(box, src=0)
+    set_state_dict(model, optimizer, model_state_dict=box[0]["model"], optim_state_dict=box[0]["optim"],
+                   options=StateDictOptions(full_state_dict=True))
+'''
+
 CRASH_SOLUTION = '''%%exercise 07.crash_safe_save
 import os
+import shutil
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 
-def save_checkpoint(state, root, step):
+def prune(root, keep, newest):
+    folders = [entry for entry in os.scandir(root) if entry.is_dir()]
+    complete = sorted((int(entry.name.split("_")[1]), entry.name) for entry in folders
+                      if os.path.exists(os.path.join(entry.path, ".metadata")))
+    kept = {folder for _, folder in complete[-keep:]} | {newest}
+    for entry in folders:
+        if entry.name not in kept:
+            shutil.rmtree(entry.path)
+
+
+def save_checkpoint(state, root, step, keep):
     name = f"step_{step}"
     dcp.save(state, checkpoint_id=os.path.join(root, name))
     if dist.get_rank() == 0:
         with open(os.path.join(root, "LATEST.tmp"), "w") as handle:
             handle.write(name)
         os.replace(os.path.join(root, "LATEST.tmp"), os.path.join(root, "LATEST"))
+        prune(root, keep, name)
 '''
+ATOMIC_LATEST = '''        with open(os.path.join(root, "LATEST.tmp"), "w") as handle:
+            handle.write(name)
+        os.replace(os.path.join(root, "LATEST.tmp"), os.path.join(root, "LATEST"))
+'''
+assert ATOMIC_LATEST in CRASH_SOLUTION
 
 # One folder for every save: the failed save writes over the last good checkpoint.
-CRASH_OVERWRITE = CRASH_SOLUTION.replace('name = f"step_{step}"', 'name = "checkpoint"')
+CRASH_OVERWRITE = CRASH_SOLUTION.replace('name = f"step_{step}"', 'name = "step_0"')
 
-# LATEST moved before the save: after a failed save it names a folder without .metadata.
-CRASH_MARK_FIRST = '''%%exercise 07.crash_safe_save
-import os
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-
-
-def save_checkpoint(state, root, step):
-    name = f"step_{step}"
-    os.makedirs(root, exist_ok=True)
+# LATEST moved before the save, in place: after a failed save it names a folder without .metadata.
+CRASH_MARK_FIRST = CRASH_SOLUTION.replace('''    dcp.save(state, checkpoint_id=os.path.join(root, name))
+    if dist.get_rank() == 0:
+''' + ATOMIC_LATEST, '''    os.makedirs(root, exist_ok=True)
     if dist.get_rank() == 0:
         with open(os.path.join(root, "LATEST"), "w") as handle:
             handle.write(name)
     dcp.save(state, checkpoint_id=os.path.join(root, name))
-'''
+    if dist.get_rank() == 0:
+''')
+assert CRASH_MARK_FIRST != CRASH_SOLUTION
 
 # LATEST rewritten in place (not atomic): a crash while it is written leaves it empty or half written.
-CRASH_IN_PLACE = CRASH_SOLUTION.replace('''        with open(os.path.join(root, "LATEST.tmp"), "w") as handle:
+CRASH_IN_PLACE = CRASH_SOLUTION.replace(ATOMIC_LATEST, '''        with open(os.path.join(root, "LATEST"), "w") as handle:
             handle.write(name)
-        os.replace(os.path.join(root, "LATEST.tmp"), os.path.join(root, "LATEST"))''', '''        with open(os.path.join(root, "LATEST"), "w") as handle:
-            handle.write(name)''')
+''')
 assert CRASH_IN_PLACE != CRASH_SOLUTION
 
-# The failure swallowed: the caller thinks step 3 was saved.
+# The failure swallowed: the caller thinks step 11 was saved.
 CRASH_SWALLOWS = CRASH_SOLUTION.replace(
     "    dcp.save(state, checkpoint_id=os.path.join(root, name))\n",
     "    try:\n        dcp.save(state, checkpoint_id=os.path.join(root, name))\n    except BaseException:\n        return\n")
+assert CRASH_SWALLOWS != CRASH_SOLUTION
+
+# Every rank installs LATEST itself, each through a temporary name of its own, after dcp.save returned: each
+# os.replace is atomic and names a complete checkpoint, so it is right (the freed inodes of the ranks' files
+# may be reused at once: the grader must not take "the same inode number" for "rewritten in place").
+CRASH_EVERY_RANK_REPLACES = CRASH_SOLUTION.replace('''    if dist.get_rank() == 0:
+''' + ATOMIC_LATEST + '''        prune(root, keep, name)
+''', '''    pending = os.path.join(root, f"LATEST.tmp{dist.get_rank()}")
+    with open(pending, "w") as handle:
+        handle.write(name)
+    os.replace(pending, os.path.join(root, "LATEST"))
+    dist.barrier()  # every rank's LATEST in place before rank 0 deletes
+    if dist.get_rank() == 0:
+        prune(root, keep, name)
+''')
+assert CRASH_EVERY_RANK_REPLACES != CRASH_SOLUTION
+
+# Newest by name: as text "step_10" sorts before "step_9", so the save of step 10 deletes its own folder.
+CRASH_SORTED_BY_NAME = CRASH_SOLUTION.replace('(int(entry.name.split("_")[1]), entry.name)', "(entry.name, entry.name)")
+assert CRASH_SORTED_BY_NAME != CRASH_SOLUTION
+
+# Every folder counted as a checkpoint: the failed save's (no .metadata) pushes out a complete one.
+CRASH_COUNTS_INCOMPLETE = CRASH_SOLUTION.replace('''
+                      if os.path.exists(os.path.join(entry.path, ".metadata")))''', ")")
+assert CRASH_COUNTS_INCOMPLETE != CRASH_SOLUTION
+
+# Room made before the save: the old ones beyond keep - 1 deleted first, so a failed save leaves one too few.
+CRASH_PRUNE_FIRST = CRASH_SOLUTION.replace('''    name = f"step_{step}"
+    dcp.save(''', '''    name = f"step_{step}"
+    if dist.get_rank() == 0 and os.path.isdir(root):
+        prune(root, keep - 1, "")
+    dist.barrier()
+    dcp.save(''').replace("        prune(root, keep, name)\n", "")
+assert CRASH_PRUNE_FIRST != CRASH_SOLUTION

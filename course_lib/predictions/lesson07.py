@@ -39,8 +39,8 @@ def _counters_measured(results) -> tuple:
 def _counters_formula(results) -> tuple:
     """The save planner's rule (_dedup_save_plans.py): going through the items in first-seen order (rank 0's
     plan first), each shared item goes to the rank with the fewest bytes planned so far, the lowest on a tie.
-    Rank 0's shards come before every counter in its plan, so rank 0 already has bytes when the first counter
-    comes; each counter (4 bytes) then goes to the emptiest of ranks 1-3 in turn."""
+    Rank 0's model shards come before every counter in its plan (Adam's exp_avg and exp_avg_sq follow each
+    parameter's counter), so rank 0 already has bytes when the first counter comes; each counter (4 bytes) then goes to the emptiest of ranks 1-3 in turn."""
     # Rank 0's shards (kilobytes) outweigh all the counters together (4 bytes each): it never has the fewest.
     planned, held = [math.inf, 0, 0, 0], [0, 0, 0, 0]
     for _ in range(results["four"][0]["parameters"]):
@@ -81,8 +81,8 @@ PREDICTIONS: dict[str, Prediction] = {
         formula=_counters_formula,
         explanation=("a counter has the same name on every rank, so one rank writes it: the planner goes through "
                      "the items in first-seen order, rank 0's plan first, and gives each shared item to the rank "
-                     "with the fewest bytes planned so far (the lowest rank on a tie). Rank 0's shards come first "
-                     "in its state dict, so when the first counter comes rank 0 already has kilobytes planned and "
+                     "with the fewest bytes planned so far (the lowest rank on a tie). Rank 0's model shards come "
+                     "before any counter in its state dict (Adam's moments follow each counter), so when the first counter comes rank 0 already has kilobytes planned and "
                      "ranks 1-3 none: the counter goes to rank 1 (4 bytes), the next to rank 2, then rank 3, then "
                      "rank 1 again: 12 counters, 4 each, none in rank 0's file. Every rank then reads files it "
                      "holds no shard of, if only for a few bytes (section 7)."),

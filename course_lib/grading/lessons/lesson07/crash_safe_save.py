@@ -1,7 +1,11 @@
-"""07.crash_safe_save: a save that fails part-way leaves LATEST naming the previous, complete checkpoint.
+"""07.crash_safe_save: the newest `keep` complete checkpoints kept, and a save that fails part-way leaves LATEST
+naming the previous, complete one.
 
-Judged: a folder per save, LATEST replaced in one step (a new file each save, not rewritten in place), the
-failed save raising, and the checkpoint LATEST names after it loading and equal to one process.
+Judged: a folder per save and LATEST replaced in one step (a new file each save, not rewritten in place: told
+apart with os.path.samestat against the previous LATEST held open, not by inode numbers, which ext4 reuses at
+once); after each good save, the folders under root are exactly the newest `keep` complete checkpoints (by step,
+`.metadata` present); the failed save raising, deleting nothing, and the checkpoint LATEST names after it
+loading and equal to one process.
 """
 
 from __future__ import annotations
@@ -9,62 +13,108 @@ from __future__ import annotations
 from ...compare import each_result
 from ...spec import Exercise, Item, RunOutcome, RunSpec
 from .common import DCP_PRELOAD, one_process, state_wrong
+from .drivers import FAILED_SAVE, GOOD_SAVES, LAST_SAVE
 
 __all__ = ["CRASH_SAFE"]
 
+KEEP = 2
 CRASH_HINTS = (
-    "Reread lesson 07, section 8 'Crashes: a rank killed in the middle of a save'.",
-    "torch.distributed.checkpoint.save with checkpoint_id; dist.get_rank(); os.replace to swap a file in one step.",
-    "Never write into a folder a restart might load: give every save a folder of its own, and only once the "
-    "save has returned on every rank let one rank point LATEST at it, replacing the file in one step.",
+    "Reread lesson 07, section 8 'Crashes: a rank killed in the middle of a save' (its rule 3 on older folders) "
+    "and section 5 on what DCP writes last.",
+    "torch.distributed.checkpoint.save with checkpoint_id; dist.get_rank(); os.replace to swap a file in one "
+    "step; os.scandir / os.path.exists to see which folders hold a .metadata; shutil.rmtree.",
+    "Give every save a folder of its own; once the save has returned, one rank points LATEST at it (a temporary "
+    "file replaced onto LATEST) and only then deletes what is neither among the newest `keep` complete "
+    "checkpoints (those with a .metadata, ordered by their step number) nor LATEST's.",
 )
+GOOD = (*GOOD_SAVES, LAST_SAVE)
 
 
-def _latest_after_good_saves(outcome: RunOutcome) -> list[str]:
+def _expected(out: dict, step: int) -> list[str]:
+    """The newest KEEP good saves up to `step`: the folders LATEST named after each."""
+    steps = [s for s in GOOD if s <= step]
+    return sorted({out["named"][s] for s in steps[-KEEP:]})
+
+
+def _own_folder_replaced(outcome: RunOutcome) -> list[str]:
     for case, rank, result in each_result(outcome):
         out = result.output
-        for step in (1, 2):
-            if out["named"][step] is None:
-                return [f"rank {rank}: after the save of step {step} returned on every rank, root/LATEST does "
-                        "not exist; it must name the folder (under root) of the newest complete checkpoint"]
-        if out["named"][1] == out["named"][2]:
-            return [f"rank {rank}: the saves of step 1 and step 2 both went to {out['named'][1]!r}: the second "
-                    "wrote over the first, the last good checkpoint while it was being written; give each save "
-                    "a folder of its own"]
-        inodes = out["inodes"]
-        if len(inodes) >= 2 and inodes[0] == inodes[1]:
-            return [f"rank {rank}: after the save of step 2, LATEST is the same file as after step 1, rewritten "
-                    "in place: a crash while it is being written leaves it empty or half written; write a "
-                    "temporary file and os.replace it onto LATEST (one step: old or new, never half)"]
+        for step in GOOD:
+            if out["named"].get(step) is None:
+                return [f"rank {rank}: after the save of step {step} returned on every rank, root/LATEST does not "
+                        "exist; it must name the folder (under root) of the newest complete checkpoint"]
+        names = [out["named"][s] for s in GOOD]
+        if len(set(names)) < len(names):
+            return [f"rank {rank}: the saves of steps {', '.join(map(str, GOOD))} went to {names}: a later save "
+                    "wrote over an earlier one, the last good checkpoint while it was being written; give each "
+                    "save a folder of its own"]
+        for step in GOOD[1:]:
+            if step != LAST_SAVE and not out["replaced"].get(step, True):
+                return [f"rank {rank}: after the save of step {step}, LATEST is the same file as after the save "
+                        "before, rewritten in place: a crash while it is being written leaves it empty or half "
+                        "written; write a temporary file and os.replace it onto LATEST (one step: old or new)"]
+    return []
+
+
+def _keeps_newest_complete(outcome: RunOutcome) -> list[str]:
+    for case, rank, result in each_result(outcome):
+        out = result.output
+        if out["last_error"]:
+            return [f"rank {rank}: the save of step {LAST_SAVE}, after the failed one, raised: {out['last_error']}"]
+        for step in GOOD:
+            held, want = out["folders"][step], _expected(out, step)
+            if sorted(held) == want:
+                continue
+            gone = [name for name in want if name not in held]
+            extra = sorted(name for name in held if name not in want)
+            said = (f"rank {rank}: after the save of step {step} (keep={KEEP}), root holds {sorted(held)}, "
+                    f"expected the newest {KEEP} complete checkpoints {want}")
+            if out["named"][step] in gone:
+                return [f"{said}: the folder LATEST names was deleted; order the folders by their step number, "
+                        "not by their name (as text 'step_10' < 'step_9')"]
+            if gone and any(not held[name] for name in extra):
+                return [f"{said}: {[n for n in extra if not held[n]]} has no .metadata (the failed save's) and was "
+                        f"counted as a checkpoint, so {gone} was deleted; count only complete ones"]
+            if gone:
+                return [f"{said}: {gone} was deleted"]
+            return [f"{said}: {extra} should have been deleted"
+                    + (" (no .metadata: the failed save's)" if any(not held[n] for n in extra) else "")]
     return []
 
 
 def _previous_survives(outcome: RunOutcome) -> list[str]:
-    _, want = one_process(2)
+    last_good = GOOD_SAVES[-1]
+    _, want = one_process(last_good)
     for case, rank, result in each_result(outcome):
         out = result.output
         where = f"rank {rank}"
         if out["raised"] is None:
-            return [f"{where}: the save of step 3 failed on rank 1 (its writer raised after writing its data), "
-                    "but save_checkpoint returned normally: let the error propagate, the caller must know"]
-        named = out["named"][3]
+            return [f"{where}: the save of step {FAILED_SAVE} failed on rank 1 (its writer raised after writing its "
+                    "data), but save_checkpoint returned normally: let the error propagate, the caller must know"]
+        named = out["named"][FAILED_SAVE]
         if named is None:
-            return [f"{where}: after the failed save of step 3, root/LATEST does not exist: a restart finds no "
-                    "checkpoint at all"]
-        if named != out["named"][2]:
-            return [f"{where}: after the save of step 3 failed part-way, LATEST names {named!r}, not step 2's "
-                    f"{out['named'][2]!r}: LATEST was written before the save had finished on every rank"
+            return [f"{where}: after the failed save of step {FAILED_SAVE}, root/LATEST does not exist: a restart "
+                    "finds no checkpoint at all"]
+        if named != out["named"][last_good]:
+            return [f"{where}: after the save of step {FAILED_SAVE} failed part-way, LATEST names {named!r}, not "
+                    f"step {last_good}'s {out['named'][last_good]!r}: LATEST was written before the save had "
+                    "finished on every rank"
                     + (f"; loading it fails ({out['load_error']})" if out["load_error"] else "")]
         if out["load_error"]:
             return [f"{where}: after the failed save, loading {named!r} (what LATEST names) fails: "
                     f"{out['load_error']}"]
+        kept = [n for n in _expected(out, last_good) if not out["folders"][FAILED_SAVE].get(n)]
+        if kept:
+            return [f"{where}: after the failed save of step {FAILED_SAVE}, {kept} (among the newest {KEEP} "
+                    "complete checkpoints before it) is gone or incomplete: a save may delete old checkpoints "
+                    "only once it is complete itself"]
         wrong = state_wrong(out["loaded"], want)
         if wrong:
-            step3 = not state_wrong(out["loaded"], out["after_3"], ("model",))
-            why = (": it holds step 3's values, written over the checkpoint of step 2 by the save that failed; "
-                   "give every save a folder of its own") if step3 else ""
+            overwritten = not state_wrong(out["loaded"], out["after_failed"], ("model",))
+            why = (f": it holds step {FAILED_SAVE}'s values, written over the checkpoint of step {last_good} by the "
+                   "save that failed; give every save a folder of its own") if overwritten else ""
             return [f"{where}: the checkpoint LATEST names after the failed save loads, but {wrong} "
-                    f"(one process after 2 steps){why}"]
+                    f"(one process after {last_good} steps){why}"]
     return []
 
 
@@ -72,14 +122,18 @@ CRASH_SAFE = Exercise(
     id="07.crash_safe_save",
     hints=CRASH_HINTS,
     function="save_checkpoint",
-    signature="save_checkpoint(state: dict, root: str, step: int) -> None",
+    signature="save_checkpoint(state: dict, root: str, step: int, keep: int) -> None",
     driver="dcp_crash_safe_save",
     preload=DCP_PRELOAD,
     runs=(
-        RunSpec(2, lambda n: [{r: ("checkpoints",) for r in range(n)}],
-                (Item("after each save, LATEST names a checkpoint of its own and was replaced in one step (2 ranks)", 1, _latest_after_good_saves),
-                 Item("a save that fails part-way leaves LATEST naming step 2's checkpoint, which loads and equals "
-                      "one process (2 ranks)", 2, _previous_survives)),
-                timeout_s=30),
+        RunSpec(2, lambda n: [{r: ("checkpoints", KEEP) for r in range(n)}],
+                (Item("after each save, LATEST names a checkpoint of its own and was replaced in one step (2 ranks)",
+                      1, _own_folder_replaced),
+                 Item(f"after each good save, root holds exactly the newest {KEEP} complete checkpoints (2 ranks)", 1,
+                      _keeps_newest_complete),
+                 Item(f"a save that fails part-way deletes nothing and leaves LATEST naming step "
+                      f"{GOOD_SAVES[-1]}'s checkpoint, which loads and equals one process (2 ranks)", 2,
+                      _previous_survives)),
+                timeout_s=45),
     ),
 )

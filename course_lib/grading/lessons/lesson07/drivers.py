@@ -216,52 +216,86 @@ def dcp_reshard_load(fn: Callable, steps: int, layout: str, path: str) -> dict:
     else:
         mesh = _mesh((world,))
     target = new_run(mesh, lr=FRESH_LR)
-    result = fn(target.model, target.optimizer, path if rank == 0 else None)
+    # The bytes of each object this rank unpickles from an object collective (broadcast_object_list,
+    # scatter_object_list, all_gather_object, ...: every one calls _tensor_to_object on a receiver): the ledger
+    # sees their tensors only as the objects' list, not their size.
+    from torch.distributed import distributed_c10d as c10d
+
+    objects, unpickle = [], c10d._tensor_to_object
+
+    def measured(tensor, size, group):
+        objects.append(int(size))
+        return unpickle(tensor, size, group)
+
+    c10d._tensor_to_object = measured
+    try:
+        result = fn(target.model, target.optimizer, path if rank == 0 else None)
+    finally:
+        c10d._tensor_to_object = unpickle
     # A rank back while another still waits in the load: this barrier (recorded, unlike full_tensor's gathers)
     # lets a deadline's diagnosis say that this rank left the load and the other did not.
     dist.barrier()
     loaded = full_state(target.model, target.optimizer)
     loaded["lr"] = target.optimizer.param_groups[0]["lr"]
-    return {"returned": None if result is None else type(result).__name__, "loaded": loaded}
+    return {"returned": None if result is None else type(result).__name__, "loaded": loaded, "objects": objects}
 
 
 class _DiesAfterWriting(Exception):
     """Raised by rank 1's writer after it wrote its data: a rank lost in the middle of a save."""
 
 
-def dcp_crash_safe_save(fn: Callable, root: str) -> dict:
-    """07.crash_safe_save: an FSDP2 run saves after step 1 and step 2 with fn(state, root, step); the save of
-    step 3 fails on rank 1 after it has written its data (its FileSystemWriter raises). Then every rank
-    loads the folder `<root>/LATEST` names into a fresh model. Send back what LATEST named after each save,
-    whether the failed save raised, and what the load gave."""
+GOOD_SAVES, FAILED_SAVE, LAST_SAVE = (8, 9, 10), 11, 12  # 9 -> 10 -> 11 -> 12: a name sort puts step_10 first
+
+
+def _folders(root: str) -> dict[str, bool]:
+    """{folder under root: whether it holds DCP's .metadata (a complete checkpoint)}."""
+    if not os.path.isdir(root):
+        return {}
+    return {entry.name: os.path.exists(os.path.join(entry.path, ".metadata"))
+            for entry in os.scandir(root) if entry.is_dir()}
+
+
+def dcp_crash_safe_save(fn: Callable, root: str, keep: int) -> dict:
+    """07.crash_safe_save: an FSDP2 run saves after steps 8, 9 and 10 with fn(state, root, step, keep); the save
+    of step 11 fails on rank 1 after it has written its data (its FileSystemWriter raises); then every rank
+    loads the folder `<root>/LATEST` names into a fresh model; then the run saves after step 12. Send back
+    what LATEST named after each save, whether it was replaced, the folders under root, whether the failed save
+    raised, and what the load gave."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     dist = _dist()
     mesh = _mesh((dist.get_world_size(),))
     run = new_run(mesh)
-    states, named = {}, {}
+    named, folders, replaced = {}, {}, {}
+    # LATEST as each save left it, held open: os.replace installs a new file, open(path, "w") rewrites the same
+    # one. An open file's inode cannot be handed to another file (ext4 reuses a freed one at once), so
+    # os.path.samestat against the previous save's tells the two apart.
+    opened = []
 
-    inodes = []
-
-    def latest() -> str | None:
-        dist.barrier()  # rank 0 may still be writing it when another rank returns
+    def after(step: int) -> None:
+        dist.barrier()  # rank 0 may still be writing or deleting when another rank returns
+        folders[step] = _folders(root)
         path = os.path.join(root, "LATEST")
-        if not os.path.exists(path):
-            return None
-        inodes.append(os.stat(path).st_ino)  # os.replace installs a new file; open(path, "w") rewrites the same one
-        with open(path) as handle:
-            return handle.read().strip()
+        named[step] = None
+        if os.path.exists(path):
+            handle = open(path)
+            if opened:
+                replaced[step] = not os.path.samestat(os.fstat(opened[-1].fileno()), os.fstat(handle.fileno()))
+            opened.append(handle)
+            named[step] = handle.read().strip()
+        dist.barrier()  # every rank has looked before the next save changes anything
 
-    for step in (1, 2):
+    def save(step: int) -> None:
         train(run, step)
-        states[step] = full_state(run.model, run.optimizer)
         model_state, optim_state = get_state_dict(run.model, run.optimizer)
-        fn({"model": model_state, "optim": optim_state}, root, step)
-        named[step] = latest()
-    train(run, 3)
-    model_state, optim_state = get_state_dict(run.model, run.optimizer)
+        fn({"model": model_state, "optim": optim_state}, root, step, keep)
+
+    for step in GOOD_SAVES:
+        save(step)
+        after(step)
+    after_good = full_state(run.model, run.optimizer)
     original = FileSystemWriter.write_data
 
     def dies_after_writing(self, plan, planner):
@@ -274,27 +308,33 @@ def dcp_crash_safe_save(fn: Callable, root: str) -> dict:
     FileSystemWriter.write_data = dies_after_writing
     raised = None
     try:
-        fn({"model": model_state, "optim": optim_state}, root, 3)
+        save(FAILED_SAVE)
     except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         raised = type(exc).__name__
     finally:
         FileSystemWriter.write_data = original
-    named[3] = latest()
+    after(FAILED_SAVE)
+    after_failed = full_state(run.model, run.optimizer)
 
     fresh = new_run(mesh, seed=99)
     load_error = None
-    if named[3] is not None:
+    if named[FAILED_SAVE] is not None:
         model_state, optim_state = get_state_dict(fresh.model, fresh.optimizer)
         state = {"model": model_state, "optim": optim_state}
         try:
-            dcp.load(state, checkpoint_id=os.path.join(root, named[3]))
-            from torch.distributed.checkpoint.state_dict import set_state_dict
-
+            dcp.load(state, checkpoint_id=os.path.join(root, named[FAILED_SAVE]))
             set_state_dict(fresh.model, fresh.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optim"])
         except BaseException as exc:  # noqa: BLE001 - CheckpointException
             load_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
-    folders = sorted(os.listdir(root)) if os.path.isdir(root) else []
-    return {"named": named, "raised": raised, "inodes": inodes, "load_error": load_error, "folders": folders,
-            "loaded": full_state(fresh.model, fresh.optimizer), "states": states,
-            "after_3": full_state(run.model, run.optimizer)}
+    loaded = full_state(fresh.model, fresh.optimizer)
+    last_error = None
+    try:
+        save(LAST_SAVE)
+        after(LAST_SAVE)
+    except BaseException as exc:  # noqa: BLE001 - e.g. a folder deleted under a rank
+        last_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+    for handle in opened:
+        handle.close()
+    return {"named": named, "raised": raised, "replaced": replaced, "folders": folders, "load_error": load_error,
+            "last_error": last_error, "loaded": loaded, "after_good": after_good, "after_failed": after_failed}

@@ -2,7 +2,8 @@
 FSDP2 layout, the file read by rank 0 only.
 
 Judged: the parameters, Adam's moments, step counts and lr (the target starts at another one) on every rank
-against one process after 2 steps.
+against one process after 2 steps, and that no rank but 0 receives half the checkpoint or more in one object
+(measured in the driver: the ledger does not size object collectives) or one tensor (the ledger).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ __all__ = ["RESHARD_LOAD"]
 RESHARD_HINTS = (
     "Reread lesson 07, section 4 'Resharding on load' (its note on whole tensors, from lesson 05) and section 9 "
     "'Export' (a torch.save file of get_state_dict's dicts).",
-    "torch.load(..., weights_only=True); set_state_dict, or set_model_state_dict and set_optimizer_state_dict, "
-    "with StateDictOptions, all from torch.distributed.checkpoint.state_dict.",
+    "torch.load(..., weights_only=True); set_model_state_dict and set_optimizer_state_dict (or set_state_dict, "
+    "which takes an empty model dict for 'the optimizer only'), with StateDictOptions, all from "
+    "torch.distributed.checkpoint.state_dict.",
     "Every rank takes part in the load, telling it that the dicts hold whole tensors and that only rank 0 has "
     "them: it then broadcasts them one tensor at a time and each rank keeps its own pieces. set_state_dict reads "
     "an empty model dict as 'the optimizer only' and then skips the model's broadcasts that rank 0 makes.",
@@ -59,6 +61,24 @@ def _loaded(parts):
     return judge
 
 
+def _received_in_pieces(outcome: RunOutcome) -> list[str]:
+    """No rank but 0 receives half the checkpoint or more in one object or one tensor: rank 0 alone holds it all."""
+    _, want = one_process(STEPS)
+    whole = sum(t.numel() * t.element_size() for part in ("model", "exp_avg", "exp_avg_sq") for t in want[part].values())
+    for case, rank, result in each_result(outcome):
+        if rank == 0:
+            continue
+        objects = result.output["objects"]
+        tensors = [entry["bytes"] for entry in result.ledger if entry.get("op") and entry.get("bytes")]
+        largest = max(objects + tensors, default=0)
+        if largest >= whole / 2:
+            how = "one object from an object collective" if largest in objects else "one tensor"
+            return [f"rank {rank}, {_label(outcome, case)}: it received {largest:,} bytes in {how}, at least half "
+                    f"of the checkpoint's {whole:,} bytes of tensors: it held the whole state at once, which "
+                    "sharding keeps off every rank but 0; let the load send it one tensor at a time"]
+    return []
+
+
 RESHARD_LOAD = Exercise(
     id="07.reshard_load",
     hints=RESHARD_HINTS,
@@ -71,7 +91,9 @@ RESHARD_LOAD = Exercise(
                 (Item("one process -> FSDP2: the parameters equal one process after 2 steps (2 ranks)", 1,
                       _loaded(("model",))),
                  Item("one process -> FSDP2: Adam's moments, step counts and lr equal one process's (2 ranks)", 1,
-                      _loaded(("exp_avg", "exp_avg_sq", "steps")))),
+                      _loaded(("exp_avg", "exp_avg_sq", "steps"))),
+                 Item("one process -> FSDP2: rank 1 never receives half the checkpoint or more at once (2 ranks)", 1,
+                      _received_in_pieces)),
                 timeout_s=30),
         RunSpec(4, lambda n: [{r: (STEPS, "halves", "one_process.pt") for r in range(n)}],
                 (Item("one process -> HSDP (2, 2): the parameters equal one process after 2 steps (4 ranks)", 1,
