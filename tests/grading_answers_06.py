@@ -69,3 +69,33 @@ CE_BACKWARD_SUMS = _replaced(
     CE_SOLUTION,
     "        return grad  # every rank holds the same loss: each rank's own terms get their gradient, no sum\n",
     "        grad = grad.clone()\n        dist.all_reduce(grad)\n        return grad\n")
+
+# down's bias added to every rank's terms before the reduce-scatter: the sum holds it N times.
+SP_BIAS_BEFORE_SCATTER = _replaced(
+    SP_SOLUTION,
+    "        return ScatterRows.apply(hidden @ self.down_weight.t()) + BiasOnRows.apply(self.down_bias)\n",
+    "        return ScatterRows.apply(hidden @ self.down_weight.t() + BiasOnRows.apply(self.down_bias))\n")
+
+# The whole table rebuilt on every rank (the zero-padded shards all-reduced), then a plain lookup: the right
+# numbers, but the table moves every forward; vocabulary parallelism sums only the looked-up rows.
+EMBEDDING_WHOLE_TABLE = _replaced(
+    EMBEDDING_SOLUTION,
+    "        mine = (tokens >= self.start) & (tokens < self.stop)\n",
+    "        table = self.weight.new_zeros(self.weight.shape[0] * dist.get_world_size(), self.weight.shape[1])\n"
+    "        table = table.index_copy(0, torch.arange(self.start, self.stop), self.weight)\n"
+    "        return torch.nn.functional.embedding(tokens, Combine.apply(table))\n"
+    "        mine = (tokens >= self.start) & (tokens < self.stop)\n")
+
+# The ranks' maxes summed (the default op), not MAX'd: the shift is too large, every exp underflows to 0.
+CE_SUM_MAX = _replaced(CE_SOLUTION, "dist.all_reduce(top, op=dist.ReduceOp.MAX)", "dist.all_reduce(top)")
+
+# The whole logits built on every rank by one all-reduce of zero-padded shards (two dummy all-reduces make the
+# count three), then F.cross_entropy: the right numbers, the logits whole on one rank.
+CE_WHOLE_LOGITS = _replaced(
+    CE_SOLUTION,
+    "    top = logits.detach().amax(dim=-1)\n",
+    "    whole = logits.new_zeros(logits.shape[0], per * dist.get_world_size())\n"
+    "    whole = Combine.apply(whole.index_copy(1, torch.arange(start, start + per), logits))\n"
+    "    dist.all_reduce(torch.zeros(1))\n    dist.all_reduce(torch.zeros(1))\n"
+    "    return torch.nn.functional.cross_entropy(whole, targets)\n"
+    "    top = logits.detach().amax(dim=-1)\n")

@@ -124,7 +124,7 @@ WRONG = {
     "the embedding's backward sums again": (
         EMBEDDING, "EMBEDDING_BACKWARD_SUMS",
         {"each rank's rows of the weight's gradient equal one process (2 ranks)": "2 times too large",
-         "one all-reduce in forward, none in backward (2 ranks)": "and backward ['all_reduce']"},
+         "one all-reduce of the output's size in forward, none in backward (2 ranks)": "and backward ['all_reduce']"},
         ("output equals one process on every rank (2 ranks)",)),
     "a local max": (
         CE, "CE_LOCAL_MAX",
@@ -139,8 +139,31 @@ WRONG = {
     "the loss's backward sums again": (
         CE, "CE_BACKWARD_SUMS",
         {"each rank's columns of the logits' gradient equal one process (4 ranks)": "4 times too large",
-         "three all-reduces in forward, none in backward (2 ranks)": "and backward ['all_reduce', 'all_reduce']"},
+         "three all-reduces in forward, none in backward, none carrying the whole logits (2 ranks)":
+         "and backward ['all_reduce', 'all_reduce']"},
         ("the loss equals one process on every rank (2 ranks)",)),
+    "down's bias added before the reduce-scatter": (
+        SP, "SP_BIAS_BEFORE_SCATTER",
+        {"output rows equal one process (2 ranks)": "down's bias is in it 2 times",
+         "gradients of the rows and of each shard equal one process (4 ranks)": "4 times too large: the bias went "
+         "into the terms before the reduce-scatter"}, ()),
+    "the whole table rebuilt by an all-reduce": (
+        EMBEDDING, "EMBEDDING_WHOLE_TABLE",
+        {"one all-reduce of the output's size in forward, none in backward (2 ranks)":
+         "the all-reduce carried 256 B (the whole table's size), expected 192 B",
+         "one all-reduce of the output's size in forward, none in backward (4 ranks)":
+         "the whole table must never be rebuilt on one rank"},
+        ("output equals one process on every rank (2 ranks)",
+         "each rank's rows of the weight's gradient equal one process (2 ranks)")),
+    "the ranks' maxes summed": (
+        CE, "CE_SUM_MAX",
+        {"the loss equals one process on every rank (2 ranks)": "-inf: every exponential underflowed to 0"}, ()),
+    "the whole logits all-reduced": (
+        CE, "CE_WHOLE_LOGITS",
+        {"three all-reduces in forward, none in backward, none carrying the whole logits (2 ranks)":
+         "the whole logits must never exist on one rank"},
+        ("the loss equals one process on every rank (2 ranks)",
+         "each rank's columns of the logits' gradient equal one process (2 ranks)")),
 }
 
 

@@ -75,6 +75,8 @@ def _held(outcome: RunOutcome) -> list[str]:
 
 
 def _output(outcome: RunOutcome) -> list[str]:
+    import torch
+
     problem = _held(outcome)
     if problem:
         return problem
@@ -84,14 +86,22 @@ def _output(outcome: RunOutcome) -> list[str]:
         wrong = first_difference(result.output["out"], want, rtol=RTOL, atol=ATOL)
         if wrong:
             hint = ""
-            if list(result.output["out"].shape) == [ROWS, MLP_DIM]:
+            got, n = result.output["out"], outcome.nproc
+            bias = outcome.inputs[case][rank][0]["2.bias"]
+            if list(got.shape) == [ROWS, MLP_DIM]:
                 hint = ": that is the whole sequence; return this rank's rows only (the reduce-scatter keeps them)"
+            elif got.shape == want.shape and torch.allclose(got - want, (n - 1) * bias.expand_as(want), rtol=1e-4,
+                                                            atol=1e-5):
+                hint = (f": down's bias is in it {n} times: every rank added it to its terms before the "
+                        "reduce-scatter, which sums the ranks' terms; add it once, to this rank's rows after")
             return [f"{where(rank, case, outcome)}: the output (this rank's rows {rows.start} to {rows.stop - 1}) "
                     f"{wrong}{hint}"]
     return []
 
 
 def _grads(outcome: RunOutcome) -> list[str]:
+    import torch
+
     problem = _held(outcome)
     if problem:
         return problem
@@ -114,8 +124,12 @@ def _grads(outcome: RunOutcome) -> list[str]:
             wrong = first_difference(got, ref[full][index], rtol=RTOL, atol=ATOL, what=f"{name} on rank {rank}")
             if wrong:
                 hint = ""
-                if name == "down_bias" and got is not None and "all_reduce" not in flows(result,
-                                                                                        result.output["backward"]):
+                if name == "down_bias" and got is not None and torch.allclose(got, n * ref[full], rtol=RTOL,
+                                                                              atol=ATOL):
+                    hint = (f": {n} times too large: the bias went into the terms before the reduce-scatter, whose "
+                            "backward already hands every rank every row's gradient; add it once, after")
+                elif name == "down_bias" and got is not None and "all_reduce" not in flows(result,
+                                                                                          result.output["backward"]):
                     hint = (": the bias was added to this rank's rows only, so its gradient is this rank's term; "
                             "the ranks' terms must be summed (an all-reduce), as the lesson's norm weights' Partial")
                 return [f"{at}: the gradient of {name} (this rank's part of {full}) {wrong}{hint}"]
