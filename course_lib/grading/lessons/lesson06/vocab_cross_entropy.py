@@ -2,7 +2,8 @@
 
 Each rank holds its columns of the logits; the loss needs the row's max (an all-reduce with MAX, no gradient),
 the sum of exponentials (an all-reduce of each rank's partial sum) and the target's logit (masked on the
-ranks that do not hold it, then an all-reduce). Judged against one process's F.cross_entropy: the loss on every
+ranks that do not hold it, then an all-reduce); backward, written by hand in the learner's autograd Function, is
+this rank's columns of (softmax - one-hot of the target) / rows, from what forward saved. Judged against one process's F.cross_entropy: the loss on every
 rank, each rank's columns of the logits' gradient, with one case of large logits (exp overflows float32
 without the max); from the ledger, three all-reduces in forward, each of at most one number per row (the whole
 logits never exist on one rank), and none in backward. The usual mistakes are named: a local max, no max, a max
@@ -20,13 +21,14 @@ __all__ = ["VOCAB_CROSS_ENTROPY"]
 VOCAB, ROWS = 16, 6  # 8 columns per rank on 2 ranks, 4 on 4
 
 HINTS = (
-    "Reread lesson 06, section 4: what `loss_parallel` computes on `Shard(-1)` logits, and section 3's g.",
-    "dist.all_reduce with op=dist.ReduceOp.MAX and with the default sum; Tensor.detach, torch.gather, a boolean "
-    "mask; an autograd function whose backward passes the gradient through.",
+    "Reread lesson 06, section 4: what `loss_parallel` computes on `Shard(-1)` logits.",
+    "dist.all_reduce with op=dist.ReduceOp.MAX and with the default sum; torch.gather, a boolean mask; "
+    "ctx.save_for_backward, Tensor.scatter_add.",
     "loss = log(sum of exp(logit - max)) - (target's logit - max), averaged over rows. The max over the whole row "
     "is a constant shift (no gradient); each rank adds up exp over its own columns and the ranks' sums are "
     "summed; only the rank whose columns hold the target has its logit, the others contribute zero to a sum. "
-    "Every rank then holds the same loss, so backward sums nothing.",
+    "Every rank then holds the same loss, so backward sums nothing: the gradient of a logit is (its softmax, "
+    "exp(logit - max) / the summed exponentials, minus 1 at the target) / rows, each rank on its own columns.",
 )
 
 

@@ -1,7 +1,8 @@
 """06.vocab_embedding: a vocabulary-parallel embedding by hand (what RowwiseParallel does to an nn.Embedding).
 
 Each rank holds its rows of the [vocab, dim] weight; a token outside them gives a zero row, and one all-reduce
-sums the ranks' rows into every token's embedding (backward: the identity). Judged against one process: the
+sums the ranks' rows into every token's embedding; backward, written by hand in the learner's autograd Function,
+adds each token's output gradient into the row it holds (no collective). Judged against one process: the
 output on every rank, each rank's rows of the weight's gradient; from the ledger, one all-reduce in forward (of
 the output's bytes, never the table's) and none in backward. The usual mistakes are named: tokens not masked (another rank's token read from this rank's
 rows), the all-reduce's backward summing again.
@@ -19,11 +20,11 @@ VOCAB, DIM = 16, 4  # 8 rows per rank on 2 ranks, 4 on 4
 
 HINTS = (
     "Reread lesson 06, section 4: the embedding `RowwiseParallel(input_layouts=Replicate())`, and section 3's g.",
-    "torch.nn.functional.embedding, a boolean mask of the tokens in this rank's range, and dist.all_reduce (in an "
-    "autograd function whose backward passes the gradient through).",
+    "torch.nn.functional.embedding, a boolean mask of the tokens in this rank's range, dist.all_reduce; in "
+    "backward, ctx.save_for_backward and Tensor.index_add_.",
     "Keep this rank's rows of the weight; look up only the tokens in this rank's range (shifted to local row "
-    "numbers), give the others a zero row, and sum the ranks' results once; every rank's gradient of its rows "
-    "comes from its own tokens, so backward sums nothing.",
+    "numbers), give the others a zero row, and sum the ranks' results once; every rank holds the whole output's "
+    "gradient, so backward adds each of its own tokens' gradient into that token's local row and sums nothing.",
 )
 
 
