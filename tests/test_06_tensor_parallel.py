@@ -160,6 +160,10 @@ WRONG = {
          "the whole table must never be rebuilt on one rank"},
         ("output equals one process on every rank (2 ranks)",
          "each rank's rows of the weight's gradient equal one process (2 ranks)")),
+    "the backward of a sum, not of the mean": (
+        CE, "CE_BACKWARD_NOT_MEAN",
+        {"each rank's columns of the logits' gradient equal one process (2 ranks)": "6 times too large: the loss "
+         "is the mean over the 6 rows"}, ("the loss equals one process on every rank (2 ranks)",)),
     "the ranks' maxes summed": (
         CE, "CE_SUM_MAX",
         {"the loss equals one process on every rank (2 ranks)": "-inf: every exponential underflowed to 0"}, ()),

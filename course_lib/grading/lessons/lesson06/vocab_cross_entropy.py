@@ -103,6 +103,9 @@ def _grads(outcome: RunOutcome) -> list[str]:
             if isinstance(got, torch.Tensor) and torch.allclose(got, want * n, rtol=RTOL, atol=ATOL):
                 hint = (f": {n} times too large: backward summed the ranks' gradients; every rank computes the same "
                         "loss, so each rank's columns already get their whole gradient")
+            elif isinstance(got, torch.Tensor) and torch.allclose(got, want * ROWS, rtol=RTOL, atol=ATOL):
+                hint = (f": {ROWS} times too large: the loss is the mean over the {ROWS} rows, so each row's "
+                        f"gradient is divided by {ROWS}")
             elif isinstance(got, torch.Tensor) and "all_reduce" in flows(result, result.output["backward"]):
                 hint = ": backward all-reduced; every rank holds the same loss, so its backward sums nothing"
             return [f"{at}: {_label(outcome, case)}the gradient of this rank's columns {rank * per} to "
