@@ -22,10 +22,10 @@ SP_ALL_REDUCE_EXIT = _replaced(
     SP_SOLUTION,
     "        mine = terms.new_empty(terms.shape[0] // dist.get_world_size(), *terms.shape[1:])\n"
     "        dist.reduce_scatter_tensor(mine, terms.contiguous())  # the ranks' terms summed, this rank's rows kept\n"
-    "        return mine\n",
+    "        return mine + bias\n",
     "        terms = terms.clone()\n        dist.all_reduce(terms)\n"
     "        rows = terms.shape[0] // dist.get_world_size()\n"
-    "        return terms[dist.get_rank() * rows:(dist.get_rank() + 1) * rows]\n")
+    "        return terms[dist.get_rank() * rows:(dist.get_rank() + 1) * rows] + bias\n")
 
 # The all-gather's backward only slices this rank's rows of the gradient (no sum over the ranks).
 SP_GATHER_BACKWARD_SLICES = _replaced(
@@ -36,36 +36,79 @@ SP_GATHER_BACKWARD_SLICES = _replaced(
     "        rows = grad.shape[0] // dist.get_world_size()\n"
     "        return grad[dist.get_rank() * rows:(dist.get_rank() + 1) * rows]\n")
 
-# down's bias added as a plain parameter: its gradient covers this rank's rows only (a Partial left unsummed).
-SP_BIAS_TERM = _replaced(SP_SOLUTION, "+ BiasOnRows.apply(self.down_bias)", "+ self.down_bias")
+# down's bias gradient from this rank's rows only (its term), as if the bias met no other rank's rows.
+SP_BIAS_TERM = _replaced(SP_SOLUTION, "return whole, whole.sum(dim=0)", "return whole, grad.sum(dim=0)")
+
+# The lesson's f on the bias: its term all-reduced, a collective the gathered gradient makes unnecessary.
+SP_BIAS_ALL_REDUCED = _replaced(
+    SP_SOLUTION,
+    "        return whole, whole.sum(dim=0)",
+    "        bias_grad = grad.sum(dim=0)\n        dist.all_reduce(bias_grad)\n        return whole, bias_grad")
+
+# down's bias added to every rank's terms before the reduce-scatter: the sum holds it N times.
+SP_BIAS_BEFORE_SCATTER = _replaced(
+    SP_SOLUTION,
+    "        dist.reduce_scatter_tensor(mine, terms.contiguous())  # the ranks' terms summed, this rank's rows kept\n"
+    "        return mine + bias\n",
+    "        dist.reduce_scatter_tensor(mine, (terms + bias).contiguous())\n        return mine\n")
 
 # Tokens not masked: a token outside this rank's rows clamped into them, read from the wrong row.
 EMBEDDING_NOT_MASKED = _replaced(
     EMBEDDING_SOLUTION,
-    "        rows = torch.nn.functional.embedding(local, self.weight) * mine.unsqueeze(-1)\n",
-    "        rows = torch.nn.functional.embedding((tokens - self.start).clamp(0, self.weight.shape[0] - 1), "
-    "self.weight)\n")
+    "        rows = torch.nn.functional.embedding(local, weight) * mine.unsqueeze(-1)\n",
+    "        rows = torch.nn.functional.embedding((tokens - start).clamp(0, weight.shape[0] - 1), weight)\n")
 
-# The all-reduce's backward sums again (f's backward where g's belongs).
+# Backward sums the output's gradient over the ranks first (as if each rank held only its part of it).
 EMBEDDING_BACKWARD_SUMS = _replaced(
     EMBEDDING_SOLUTION,
-    "        return grad  # every rank holds the whole output's gradient: its own rows take their part\n",
-    "        grad = grad.clone()\n        dist.all_reduce(grad)\n        return grad\n")
+    "        local, mine = ctx.saved_tensors\n",
+    "        local, mine = ctx.saved_tensors\n        grad = grad.clone()\n        dist.all_reduce(grad)\n")
+
+# The whole table rebuilt on every rank (the zero-padded shards all-reduced), then a plain lookup: the right
+# numbers, but the table moves every forward; vocabulary parallelism sums only the looked-up rows.
+EMBEDDING_WHOLE_TABLE = _replaced(
+    EMBEDDING_SOLUTION,
+    "        dist.all_reduce(rows)  # each token's row comes from the one rank that holds it; zeros elsewhere\n",
+    "        table = weight.new_zeros(weight.shape[0] * dist.get_world_size(), weight.shape[1])\n"
+    "        table[start:start + weight.shape[0]] = weight\n"
+    "        dist.all_reduce(table)\n"
+    "        rows = torch.nn.functional.embedding(tokens, table)\n")
 
 # Each rank's own max, not the whole row's: the ranks' sums of exponentials are shifted differently.
-CE_LOCAL_MAX = _replaced(CE_SOLUTION,
-                         "    dist.all_reduce(top, op=dist.ReduceOp.MAX)               # the whole row's max: a constant shift\n",
-                         "")
+CE_LOCAL_MAX = _replaced(
+    CE_SOLUTION, "        dist.all_reduce(top, op=dist.ReduceOp.MAX)               # the whole row's max: a constant shift\n", "")
 
 # No max at all: exp of logits around 100 overflows float32.
-CE_NO_MAX = _replaced(CE_SOLUTION, "    shifted = logits - top.unsqueeze(-1)\n", "    shifted = logits\n")
+CE_NO_MAX = _replaced(CE_SOLUTION, "        shifted = logits - top.unsqueeze(-1)\n", "        shifted = logits\n")
 
 # The target's logit not masked: every rank adds a logit, one of them the target's.
-CE_NOT_MASKED = _replaced(CE_SOLUTION, "    picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine\n",
-                          "    picked = shifted.gather(-1, (targets - start).clamp(0, per - 1).unsqueeze(-1)).squeeze(-1)\n")
+CE_NOT_MASKED = _replaced(
+    CE_SOLUTION, "        picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine\n",
+    "        picked = shifted.gather(-1, (targets - start).clamp(0, per - 1).unsqueeze(-1)).squeeze(-1)\n")
 
-# The sums' backward all-reduces: every rank's loss is the same, so the gradient is counted N times.
+# Backward all-reduces the loss's gradient: every rank's loss is the same, so the gradient is counted N times.
 CE_BACKWARD_SUMS = _replaced(
     CE_SOLUTION,
-    "        return grad  # every rank holds the same loss: each rank's own terms get their gradient, no sum\n",
-    "        grad = grad.clone()\n        dist.all_reduce(grad)\n        return grad\n")
+    "        softmax, local, mine = ctx.saved_tensors\n",
+    "        softmax, local, mine = ctx.saved_tensors\n        grad = grad.clone()\n        dist.all_reduce(grad)\n")
+
+# The ranks' maxes summed (the default op), not MAX'd: the shift is too large, every exp underflows to 0.
+CE_SUM_MAX = _replaced(CE_SOLUTION, "dist.all_reduce(top, op=dist.ReduceOp.MAX)", "dist.all_reduce(top)")
+
+# The whole logits built on every rank by one all-reduce of zero-padded shards (two dummy all-reduces make the
+# count three), then F.cross_entropy: the right numbers, the logits whole on one rank.
+CE_WHOLE_LOGITS = _replaced(
+    CE_SOLUTION,
+    "        top = logits.amax(dim=-1)\n",
+    "        whole = logits.new_zeros(logits.shape[0], per * dist.get_world_size())\n"
+    "        whole[:, start:start + per] = logits\n"
+    "        dist.all_reduce(whole)\n        dist.all_reduce(torch.zeros(1))\n        dist.all_reduce(torch.zeros(1))\n"
+    "        mine = (targets >= start) & (targets < start + per)\n"
+    "        local = torch.where(mine, targets - start, 0)\n"
+    "        ctx.save_for_backward(whole.softmax(-1)[:, start:start + per], local, mine)\n"
+    "        return torch.nn.functional.cross_entropy(whole, targets)\n"
+    "        top = logits.amax(dim=-1)\n")
+
+# The hand-written backward of a sum, not of the mean over the rows.
+CE_BACKWARD_NOT_MEAN = _replaced(CE_SOLUTION, "return logits_grad * grad / softmax.shape[0], None",
+                                 "return logits_grad * grad, None")

@@ -106,25 +106,30 @@ def test_stub_scores_zero_and_says_what_to_write_once(exercise_id, ranks):
 WRONG = {
     "SP's exit as an all-reduce": (
         SP, "SP_ALL_REDUCE_EXIT",
-        {"all-gather then reduce-scatter in forward, mirrored in backward (2 ranks)":
+        {"all-gather then reduce-scatter in forward, mirrored in backward, nothing else (2 ranks)":
          "SP's exit is a reduce-scatter"}, ("output rows equal one process (2 ranks)",)),
     "the all-gather's backward only slices": (
         SP, "SP_GATHER_BACKWARD_SLICES",
         {"gradients of the rows and of each shard equal one process (2 ranks)": "the all-gather's backward "
          "reduce-scatters",
-         "all-gather then reduce-scatter in forward, mirrored in backward (2 ranks)": "expected the mirror of forward"},
+         "all-gather then reduce-scatter in forward, mirrored in backward, nothing else (2 ranks)": "expected exactly the mirror of forward"},
         ("output rows equal one process (2 ranks)",)),
     "down's bias gradient left a term": (
         SP, "SP_BIAS_TERM",
         {"gradients of the rows and of each shard equal one process (4 ranks)":
-         "the gradient of down_bias (this rank's part of 2.bias)"}, ("output rows equal one process (4 ranks)",)),
+         "that is the gradient of this rank's rows only"}, ("output rows equal one process (4 ranks)",)),
+    "down's bias gradient all-reduced, the lesson's f": (
+        SP, "SP_BIAS_ALL_REDUCED",
+        {"all-gather then reduce-scatter in forward, mirrored in backward, nothing else (2 ranks)":
+         "an all-reduce is one collective too many"},
+        ("output rows equal one process (2 ranks)", "gradients of the rows and of each shard equal one process (2 ranks)")),
     "tokens not masked": (
         EMBEDDING, "EMBEDDING_NOT_MASKED",
         {"output equals one process on every rank (2 ranks)": "must give a zero row (mask it)"}, ()),
     "the embedding's backward sums again": (
         EMBEDDING, "EMBEDDING_BACKWARD_SUMS",
         {"each rank's rows of the weight's gradient equal one process (2 ranks)": "2 times too large",
-         "one all-reduce in forward, none in backward (2 ranks)": "and backward ['all_reduce']"},
+         "one all-reduce of the output's size in forward, none in backward (2 ranks)": "and backward ['all_reduce']"},
         ("output equals one process on every rank (2 ranks)",)),
     "a local max": (
         CE, "CE_LOCAL_MAX",
@@ -139,8 +144,35 @@ WRONG = {
     "the loss's backward sums again": (
         CE, "CE_BACKWARD_SUMS",
         {"each rank's columns of the logits' gradient equal one process (4 ranks)": "4 times too large",
-         "three all-reduces in forward, none in backward (2 ranks)": "and backward ['all_reduce', 'all_reduce']"},
+         "three all-reduces in forward, none in backward, none carrying the whole logits (2 ranks)":
+         "and backward ['all_reduce']"},
         ("the loss equals one process on every rank (2 ranks)",)),
+    "down's bias added before the reduce-scatter": (
+        SP, "SP_BIAS_BEFORE_SCATTER",
+        {"output rows equal one process (2 ranks)": "down's bias is in it 2 times",
+         "output rows equal one process (4 ranks)": "down's bias is in it 4 times"},
+        ("gradients of the rows and of each shard equal one process (2 ranks)",)),
+    "the whole table rebuilt by an all-reduce": (
+        EMBEDDING, "EMBEDDING_WHOLE_TABLE",
+        {"one all-reduce of the output's size in forward, none in backward (2 ranks)":
+         "the all-reduce carried 256 B (the whole table's size), expected 192 B",
+         "one all-reduce of the output's size in forward, none in backward (4 ranks)":
+         "the whole table must never be rebuilt on one rank"},
+        ("output equals one process on every rank (2 ranks)",
+         "each rank's rows of the weight's gradient equal one process (2 ranks)")),
+    "the backward of a sum, not of the mean": (
+        CE, "CE_BACKWARD_NOT_MEAN",
+        {"each rank's columns of the logits' gradient equal one process (2 ranks)": "6 times too large: the loss "
+         "is the mean over the 6 rows"}, ("the loss equals one process on every rank (2 ranks)",)),
+    "the ranks' maxes summed": (
+        CE, "CE_SUM_MAX",
+        {"the loss equals one process on every rank (2 ranks)": "-inf: every exponential underflowed to 0"}, ()),
+    "the whole logits all-reduced": (
+        CE, "CE_WHOLE_LOGITS",
+        {"three all-reduces in forward, none in backward, none carrying the whole logits (2 ranks)":
+         "the whole logits must never exist on one rank"},
+        ("the loss equals one process on every rank (2 ranks)",
+         "each rank's columns of the logits' gradient equal one process (2 ranks)")),
 }
 
 

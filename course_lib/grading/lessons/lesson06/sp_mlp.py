@@ -1,11 +1,13 @@
 """06.sp_mlp: sequence parallelism's operators by hand around Megatron's MLP.
 
 Each rank holds its rows of the sequence; the MLP's input is all-gathered (backward: reduce-scattered), its
-row-parallel output reduce-scattered (backward: all-gathered), and down's bias, applied to this rank's rows
-only, has a gradient that is a term until the ranks' terms are summed (all-reduced). Judged against one
+row-parallel output reduce-scattered (backward: all-gathered), and down's bias, added to this rank's rows after
+the reduce-scatter, takes its whole gradient from the gradient that backward's all-gather brought (no collective
+of its own: the lesson's f, an all-reduce, is not needed). Judged against one
 process: the output rows, the rows' gradient, each parameter's gradient; from the ledger, which collective
 ran in forward and in backward, in order. The usual mistakes are named: an all-reduce in place of the
-reduce-scatter, the all-gather's backward that only slices, the bias gradient left a term.
+reduce-scatter, the all-gather's backward that only slices, the bias gradient left a term, the bias added
+before the reduce-scatter, the bias gradient all-reduced.
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ ALLOWED = frozenset({"all_gather", "all_gather_into_tensor", "all_gather_single"
 HINTS = (
     "Reread lesson 06, section 4 'Sequence parallelism' (the SP block, and what backward mirrors) and section 3's "
     "f and g, which you now write for other collectives.",
-    "torch.autograd.Function, dist.all_gather_into_tensor and dist.reduce_scatter_tensor (and dist.all_reduce).",
+    "torch.autograd.Function (a forward may take two tensors and backward return two gradients), "
+    "dist.all_gather_into_tensor and dist.reduce_scatter_tensor.",
     "One function gathers the ranks' rows going forward and, coming back, keeps only this rank's rows of the "
     "summed gradient; one sums the ranks' terms and keeps this rank's rows going forward and gathers the rows' "
-    "gradient coming back. down's bias is added to this rank's rows only, so its gradient covers those rows: "
-    "sum it over the ranks.",
+    "gradient coming back. down's bias is added after the sum, to this rank's rows; its gradient is the sum over "
+    "every row of the sequence, which the gathered gradient already holds on every rank.",
 )
 
 
@@ -75,6 +78,8 @@ def _held(outcome: RunOutcome) -> list[str]:
 
 
 def _output(outcome: RunOutcome) -> list[str]:
+    import torch
+
     problem = _held(outcome)
     if problem:
         return problem
@@ -84,14 +89,22 @@ def _output(outcome: RunOutcome) -> list[str]:
         wrong = first_difference(result.output["out"], want, rtol=RTOL, atol=ATOL)
         if wrong:
             hint = ""
-            if list(result.output["out"].shape) == [ROWS, MLP_DIM]:
+            got, n = result.output["out"], outcome.nproc
+            bias = outcome.inputs[case][rank][0]["2.bias"]
+            if list(got.shape) == [ROWS, MLP_DIM]:
                 hint = ": that is the whole sequence; return this rank's rows only (the reduce-scatter keeps them)"
+            elif got.shape == want.shape and torch.allclose(got - want, (n - 1) * bias.expand_as(want), rtol=1e-4,
+                                                            atol=1e-5):
+                hint = (f": down's bias is in it {n} times: every rank added it to its terms before the "
+                        "reduce-scatter, which sums the ranks' terms; add it once, to this rank's rows after")
             return [f"{where(rank, case, outcome)}: the output (this rank's rows {rows.start} to {rows.stop - 1}) "
                     f"{wrong}{hint}"]
     return []
 
 
 def _grads(outcome: RunOutcome) -> list[str]:
+    import torch
+
     problem = _held(outcome)
     if problem:
         return problem
@@ -114,10 +127,14 @@ def _grads(outcome: RunOutcome) -> list[str]:
             wrong = first_difference(got, ref[full][index], rtol=RTOL, atol=ATOL, what=f"{name} on rank {rank}")
             if wrong:
                 hint = ""
-                if name == "down_bias" and got is not None and "all_reduce" not in flows(result,
-                                                                                        result.output["backward"]):
-                    hint = (": the bias was added to this rank's rows only, so its gradient is this rank's term; "
-                            "the ranks' terms must be summed (an all-reduce), as the lesson's norm weights' Partial")
+                if name == "down_bias" and got is not None and torch.allclose(got, n * ref[full], rtol=RTOL,
+                                                                              atol=ATOL):
+                    hint = (f": {n} times too large: the bias went into the terms before the reduce-scatter, whose "
+                            "backward already hands every rank every row's gradient; add it once, after")
+                elif name == "down_bias" and got is not None and "all_reduce" not in flows(result,
+                                                                                          result.output["backward"]):
+                    hint = (": that is the gradient of this rank's rows only; the bias is added to every row of the "
+                            "sequence (each on its rank), so its gradient sums every row's")
                 return [f"{at}: the gradient of {name} (this rank's part of {full}) {wrong}{hint}"]
     return []
 
@@ -137,11 +154,14 @@ def _ledger(outcome: RunOutcome) -> list[str]:
             return [f"{at}: forward called {forward or 'nothing'}, expected exactly ['all_gather', "
                     f"'reduce_scatter']: the rows gathered before up, the row-parallel terms reduce-scattered after "
                     f"down{why}"]
-        core = [flow for flow in backward if flow != "all_reduce"]
-        if core != ["all_gather", "reduce_scatter"] or backward.count("all_reduce") > 1:
-            return [f"{at}: backward called {backward or 'nothing'}, expected the mirror of forward: an all-gather "
-                    "of the output rows' gradient (the reduce-scatter's backward), then a reduce-scatter of the "
-                    "input's gradient (the all-gather's backward), and one all-reduce for down's bias"]
+        if backward != ["all_gather", "reduce_scatter"]:
+            why = ""
+            if "all_reduce" in backward:
+                why = (": an all-reduce is one collective too many: every rank already holds every row's gradient "
+                       "after the all-gather, the bias's gradient among them")
+            return [f"{at}: backward called {backward or 'nothing'}, expected exactly the mirror of forward: an "
+                    "all-gather of the output rows' gradient (the reduce-scatter's backward), then a reduce-scatter "
+                    f"of the input's gradient (the all-gather's backward), nothing else{why}"]
     return []
 
 
@@ -156,7 +176,8 @@ SP_MLP = Exercise(
         RunSpec(n, (lambda n, s=seed: [_case(n, s)]),
                 (Item(f"output rows equal one process ({n} ranks)", 1, _output),
                  Item(f"gradients of the rows and of each shard equal one process ({n} ranks)", 1, _grads),
-                 Item(f"all-gather then reduce-scatter in forward, mirrored in backward ({n} ranks)", 1, _ledger)),
+                 Item(f"all-gather then reduce-scatter in forward, mirrored in backward, nothing else ({n} ranks)",
+                      1, _ledger)),
                 timeout_s=15)
         for n, seed in ((2, 61), (4, 62))),
 )

@@ -2,10 +2,12 @@
 
 Each rank holds its columns of the logits; the loss needs the row's max (an all-reduce with MAX, no gradient),
 the sum of exponentials (an all-reduce of each rank's partial sum) and the target's logit (masked on the
-ranks that do not hold it, then an all-reduce). Judged against one process's F.cross_entropy: the loss on every
+ranks that do not hold it, then an all-reduce); backward, written by hand in the learner's autograd Function, is
+this rank's columns of (softmax - one-hot of the target) / rows, from what forward saved. Judged against one process's F.cross_entropy: the loss on every
 rank, each rank's columns of the logits' gradient, with one case of large logits (exp overflows float32
-without the max); from the ledger, three all-reduces in forward and none in backward. The usual mistakes are
-named: a local max, no max, the target not masked, the backward summing again.
+without the max); from the ledger, three all-reduces in forward, each of at most one number per row (the whole
+logits never exist on one rank), and none in backward. The usual mistakes are named: a local max, no max, a max
+summed instead of MAX'd, the target not masked, the backward summing again, the whole logits all-reduced.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ __all__ = ["VOCAB_CROSS_ENTROPY"]
 VOCAB, ROWS = 16, 6  # 8 columns per rank on 2 ranks, 4 on 4
 
 HINTS = (
-    "Reread lesson 06, section 4: what `loss_parallel` computes on `Shard(-1)` logits, and section 3's g.",
-    "dist.all_reduce with op=dist.ReduceOp.MAX and with the default sum; Tensor.detach, torch.gather, a boolean "
-    "mask; an autograd function whose backward passes the gradient through.",
+    "Reread lesson 06, section 4: what `loss_parallel` computes on `Shard(-1)` logits.",
+    "dist.all_reduce with op=dist.ReduceOp.MAX and with the default sum; torch.gather, a boolean mask; "
+    "ctx.save_for_backward, Tensor.scatter_add.",
     "loss = log(sum of exp(logit - max)) - (target's logit - max), averaged over rows. The max over the whole row "
     "is a constant shift (no gradient); each rank adds up exp over its own columns and the ranks' sums are "
     "summed; only the rank whose columns hold the target has its logit, the others contribute zero to a sum. "
-    "Every rank then holds the same loss, so backward sums nothing.",
+    "Every rank then holds the same loss, so backward sums nothing: the gradient of a logit is (its softmax, "
+    "exp(logit - max) / the summed exponentials, minus 1 at the target) / rows, each rank on its own columns.",
 )
 
 
@@ -67,7 +70,10 @@ def _loss(outcome: RunOutcome) -> list[str]:
         wrong = first_difference(got.reshape(()) if got.numel() == 1 else got, want, rtol=RTOL, atol=ATOL)
         if wrong:
             hint = ""
-            if not torch.isfinite(got).all():
+            if torch.isneginf(got).any():
+                hint = ("; -inf: every exponential underflowed to 0, so the shift subtracted is larger than the row's "
+                        "max (the ranks' maxes summed?): combine the ranks' maxes with ReduceOp.MAX")
+            elif not torch.isfinite(got).all():
                 hint = ("; not finite: exp of a large logit overflows; subtract the row's max over the whole "
                         "vocabulary first")
             elif flows(result, result.output["forward"]).count("all_reduce") < 3:
@@ -97,6 +103,9 @@ def _grads(outcome: RunOutcome) -> list[str]:
             if isinstance(got, torch.Tensor) and torch.allclose(got, want * n, rtol=RTOL, atol=ATOL):
                 hint = (f": {n} times too large: backward summed the ranks' gradients; every rank computes the same "
                         "loss, so each rank's columns already get their whole gradient")
+            elif isinstance(got, torch.Tensor) and torch.allclose(got, want * ROWS, rtol=RTOL, atol=ATOL):
+                hint = (f": {ROWS} times too large: the loss is the mean over the {ROWS} rows, so each row's "
+                        f"gradient is divided by {ROWS}")
             elif isinstance(got, torch.Tensor) and "all_reduce" in flows(result, result.output["backward"]):
                 hint = ": backward all-reduced; every rank holds the same loss, so its backward sums nothing"
             return [f"{at}: {_label(outcome, case)}the gradient of this rank's columns {rank * per} to "
@@ -109,6 +118,14 @@ def _ledger(outcome: RunOutcome) -> list[str]:
         at = where(rank, case, outcome)
         if "returned" in result.output:
             return [f"{at}: got a {result.output['returned']}, expected the loss, a tensor"]
+        # The whole logits never exist on one rank: each all-reduce carries at most one number per row.
+        start, stop = result.output["forward"]
+        row = ROWS * result.output["loss"].element_size()
+        sent = [e["bytes"] for e in result.ledger if start <= e["start"] <= stop]  # all-reduces only (allowed_ops)
+        if any(b > row for b in sent):
+            return [f"{at}: forward all-reduced {sent} B, more than {row} B (one number per row of {ROWS}) in one "
+                    "call: the whole logits must never exist on one rank; all-reduce only the row's max, its sum of "
+                    "exponentials and its target logit"]
         forward, backward = (flows(result, result.output[phase]) for phase in ("forward", "backward"))
         if (forward, backward) != (["all_reduce"] * 3, []):
             return [f"{at}: forward called {forward or 'nothing'} and backward {backward or 'nothing'}, expected "
@@ -128,6 +145,7 @@ VOCAB_CROSS_ENTROPY = Exercise(
         RunSpec(n, (lambda n, s=seed: [_case(n, s, 0.0), _case(n, s + 1, 100.0)]),
                 (Item(f"the loss equals one process on every rank ({n} ranks)", 1, _loss),
                  Item(f"each rank's columns of the logits' gradient equal one process ({n} ranks)", 1, _grads),
-                 Item(f"three all-reduces in forward, none in backward ({n} ranks)", 1, _ledger)), timeout_s=15)
+                 Item(f"three all-reduces in forward, none in backward, none carrying the whole logits ({n} ranks)",
+                      1, _ledger)), timeout_s=15)
         for n, seed in ((2, 81), (4, 82))),
 )

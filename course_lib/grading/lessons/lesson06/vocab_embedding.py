@@ -1,9 +1,10 @@
 """06.vocab_embedding: a vocabulary-parallel embedding by hand (what RowwiseParallel does to an nn.Embedding).
 
 Each rank holds its rows of the [vocab, dim] weight; a token outside them gives a zero row, and one all-reduce
-sums the ranks' rows into every token's embedding (backward: the identity). Judged against one process: the
-output on every rank, each rank's rows of the weight's gradient; from the ledger, one all-reduce in forward and
-none in backward. The usual mistakes are named: tokens not masked (another rank's token read from this rank's
+sums the ranks' rows into every token's embedding; backward, written by hand in the learner's autograd Function,
+adds each token's output gradient into the row it holds (no collective). Judged against one process: the
+output on every rank, each rank's rows of the weight's gradient; from the ledger, one all-reduce in forward (of
+the output's bytes, never the table's) and none in backward. The usual mistakes are named: tokens not masked (another rank's token read from this rank's
 rows), the all-reduce's backward summing again.
 """
 
@@ -19,11 +20,11 @@ VOCAB, DIM = 16, 4  # 8 rows per rank on 2 ranks, 4 on 4
 
 HINTS = (
     "Reread lesson 06, section 4: the embedding `RowwiseParallel(input_layouts=Replicate())`, and section 3's g.",
-    "torch.nn.functional.embedding, a boolean mask of the tokens in this rank's range, and dist.all_reduce (in an "
-    "autograd function whose backward passes the gradient through).",
+    "torch.nn.functional.embedding, a boolean mask of the tokens in this rank's range, dist.all_reduce; in "
+    "backward, ctx.save_for_backward and Tensor.index_add_.",
     "Keep this rank's rows of the weight; look up only the tokens in this rank's range (shifted to local row "
-    "numbers), give the others a zero row, and sum the ranks' results once; every rank's gradient of its rows "
-    "comes from its own tokens, so backward sums nothing.",
+    "numbers), give the others a zero row, and sum the ranks' results once; every rank holds the whole output's "
+    "gradient, so backward adds each of its own tokens' gradient into that token's local row and sums nothing.",
 )
 
 
@@ -119,11 +120,22 @@ def _ledger(outcome: RunOutcome) -> list[str]:
     if problem:
         return problem
     for case, rank, result in each_result(outcome):
+        at = where(rank, case, outcome)
         forward, backward = (flows(result, result.output[phase]) for phase in ("forward", "backward"))
         if (forward, backward) != (["all_reduce"], []):
-            return [f"{where(rank, case, outcome)}: forward called {forward or 'nothing'} and backward "
-                    f"{backward or 'nothing'}, expected one all-reduce in forward (after the masked lookup, summing "
-                    "the ranks' rows) and nothing in backward"]
+            return [f"{at}: forward called {forward or 'nothing'} and backward {backward or 'nothing'}, expected one "
+                    "all-reduce in forward (after the masked lookup, summing the ranks' rows) and nothing in backward"]
+        # What the all-reduce carried: the looked-up rows (the output's size), never the table. Summing the
+        # zero-padded shards rebuilds the whole table on every rank (FSDP's gather, done with an all-reduce).
+        start, stop = result.output["forward"]
+        sent = next(e["bytes"] for e in result.ledger if start <= e["start"] <= stop)
+        out = result.output["out"]
+        rows = out.numel() * out.element_size()
+        if sent != rows:
+            table = " (the whole table's size)" if sent == VOCAB * DIM * out.element_size() else ""
+            return [f"{at}: the all-reduce carried {sent} B{table}, expected {rows} B, the looked-up rows "
+                    f"{list(out.shape)}: the whole table must never be rebuilt on one rank; sum the ranks' "
+                    "masked rows of the output, not their shards of the weight"]
     return []
 
 
@@ -138,6 +150,7 @@ VOCAB_EMBEDDING = Exercise(
         RunSpec(n, (lambda n, s=seed: [_case(n, s)]),
                 (Item(f"output equals one process on every rank ({n} ranks)", 1, _output),
                  Item(f"each rank's rows of the weight's gradient equal one process ({n} ranks)", 1, _grads),
-                 Item(f"one all-reduce in forward, none in backward ({n} ranks)", 1, _ledger)), timeout_s=15)
+                 Item(f"one all-reduce of the output's size in forward, none in backward ({n} ranks)", 1,
+                      _ledger)), timeout_s=15)
         for n, seed in ((2, 71), (4, 72))),
 )
