@@ -1,7 +1,7 @@
 """The GPU script (tests/gpu_node/on_a_gpu.sh -> run_steps.py), its record and the README's table.
 
 The dry run executes the same kinds of step the GPU machine runs (nbval of a lesson, the 1-rank run,
-the grader, launch/train.py in each mode, the doctor) on gloo with one notebook's first cell, so
+the grader, launch/train.py in each mode, the doctor) on gloo with one notebook's first cells, so
 that a GPU machine's minutes are never spent on a typo; it checks the entry's format and that the
 README table can be made from it. The record (tests/gpu_node/record.json) and the README's table
 must agree.
@@ -71,13 +71,13 @@ def test_a_table_row_names_each_failure_with_its_cell_and_cause():
 @pytest.mark.slow
 def test_the_dry_run_runs_every_kind_of_step_on_gloo_and_writes_an_entry(tmp_path):
     run = subprocess.run([sys.executable, str(GPU_NODE / "run_steps.py"), str(tmp_path), "--dry-run", "--jobs", "2",
-                          "--notebooks", "00_setup", "--cells", "4", "--budget-s", "400"],
+                          "--notebooks", "00_setup", "--cells", "2", "--budget-s", "400"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     entry = json.loads((tmp_path / "record_entry.json").read_text())
     assert entry["dry_run"] and all(key in entry for key in MACHINE)
     lesson = entry["notebooks"]["00_setup"]
-    assert (lesson["nbval"]["cells_run"], lesson["nbval"]["failures"]) == (4, []), lesson
+    assert (lesson["nbval"]["cells_run"], lesson["nbval"]["failures"]) == (2, []), lesson
     assert lesson["one_rank"]["backend"] == "gloo" and lesson["one_rank"]["cells_run"] >= 1, lesson
     assert lesson["one_rank"]["failures"] == [], lesson
     for name, step in entry["steps"].items():

@@ -72,13 +72,14 @@ def plan(out: pathlib.Path, *, dry_run: bool, notebooks: list[str] | None = None
         shared = ((ENV_GLOO_ON_SHARED_GPU, "1"),)
         steps += [_nbval(s, out, None, 420, "nbval_shared_gpu", shared) for s in stems if "_appendix_" not in s]
     # On a GPU every solution; in a dry run one lesson's, for the grader's plumbing (the suite grades them all).
-    graded = ("solutions/01_process_groups_solutions.ipynb", "--exercises", "01") if dry_run else ("solutions/",)
+    graded = (("solutions/01_process_groups_solutions.ipynb", "--exercises", "01.allgather_from_broadcast") if dry_run
+              else ("solutions/",))
     grader = (sys.executable, "-m", "course_lib.grade", *graded, "--out", str(out / "grades"),
               "--jobs", "2" if dry_run else "8")
     steps.append(Step("grader_solutions", "grader", grader, 240 if dry_run else 300))
     for mode, extra in (("ddp", ()), ("fsdp", ()), ("2d", ("--tp", "1"))):
         steps.append(Step(f"train_{mode}", "train",
-                          _torchrun("launch/train.py", "--parallel", mode, *extra, "--steps", "2" if dry_run else "4",
+                          _torchrun("launch/train.py", "--parallel", mode, *extra, "--steps", "1" if dry_run else "4",
                                     "--batch", "4", "--ckpt-dir", str(out / f"ckpt_{mode}")), 180))
     steps.append(Step("doctor", "doctor", (sys.executable, "-m", "course_lib.doctor"), 120))
     if not dry_run:  # the CUDA facts need CUDA
