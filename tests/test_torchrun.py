@@ -342,25 +342,26 @@ def test_stuck_collective_ends_by_the_deadline():
 
 
 def test_the_deadline_counts_from_when_every_rank_has_started_its_group():
-    """A slow `import torch` (a loaded machine; here 4 s of sleep before it) is not the cell's time: a 3 s
-    deadline still lets a cell that takes 1 s after init_process_group finish. A cell that imports no torch
-    counts from the launch (test_deadline_returns_in_bounded_time)."""
+    """A slow start (a loaded machine's `import torch`; here a sleep longer than the deadline before it) is not
+    the cell's time: the cell finishes, where a deadline counted from the launch would have killed it. The
+    deadline leaves the ranks time to exit after their group is up, even on a busy machine. A cell that imports
+    no torch counts from the launch (test_deadline_returns_in_bounded_time)."""
+    timeout_s = max(4.0, startup_deadline_s(imports=0))
     run = launch(
-        """
+        f"""
         import time
-        time.sleep(4)
+        time.sleep({timeout_s + 1})
         import torch.distributed as dist
         dist.init_process_group("gloo")
-        time.sleep(1)
         print("done after its imports", flush=True)
         """,
         2,
-        timeout_s=3,
+        timeout_s=timeout_s,
     )
     result = run.result
     assert not result.timed_out and result.ok, result.stdout
     assert result.stdout == {0: "done after its imports\n", 1: "done after its imports\n"}
-    assert result.ready_s is not None and result.ready_s >= 4
+    assert result.ready_s is not None and result.ready_s > timeout_s  # from the launch it would have been killed
 
 
 def test_cell_without_cl_init_is_recorded_and_diagnosed():
