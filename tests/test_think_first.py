@@ -385,6 +385,27 @@ def test_a_reveal_whose_run_was_cut_off_or_never_ran_asks_for_that_cell_in_one_l
         RevealMagics.reveal_line(_magics(my_prediction=12), "99.bytes")
 
 
+def test_a_reveal_after_a_run_that_failed_with_some_ranks_unpublished_asks_for_that_cell(monkeypatch, kernel_state):
+    """A rank lost at init (gloo's connectFullMesh) publishes nothing: the reveal says so in one line, no KeyError."""
+    from course_lib.magics.args import RankFailure
+    from course_lib.magics.cell_end import CellEnd, finish
+    from course_lib.magics.reveal_magic import RevealMagics
+
+    results, ledgers = _fake(monkeypatch)
+    partial = {name: {r: v for r, v in by_rank.items() if r != 0} for name, by_rank in results.items()}
+    end = CellEnd(stdout={}, stderr={0: "RuntimeError: Gloo connectFullMesh failed\n"}, published=partial,
+                  ledgers={r: ledgers[r] for r in ledgers if r != 0}, all_well="", first=0,
+                  failure="rank 0 failed: RuntimeError: Gloo connectFullMesh failed")
+    with pytest.raises(RankFailure):
+        finish(end, expect_failure=False)
+    with pytest.raises(RevealError, match="nothing measured yet: run the cell above that publishes 'sent'") as raised:
+        RevealMagics.reveal_line(_magics(my_prediction=12), "99.bytes")
+    assert len(raised.value._render_traceback_()) == 1
+    end.failure, end.published = "rank 0 failed on purpose", results
+    finish(end, expect_failure=True)  # a failure the cell expects: its run stays measurable (lessons read it)
+    assert kernel_state.ledgers_of("sent") is not None
+
+
 def test_the_first_answer_is_the_one_scored_and_stays_beside_a_later_one(monkeypatch, kernel_state):
     results, ledgers = _fake(monkeypatch)
     first = reveal("99.bytes", 30, results, ledgers)

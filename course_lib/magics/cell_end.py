@@ -49,8 +49,11 @@ class CellEnd:
 
 def finish(end: CellEnd, *, expect_failure: bool) -> None:
     """Record what the ranks sent back, show what they wrote, then raise as the cell ended (see module docstring)."""
-    record_run(end.published, end.ledgers, finished=end.interrupted is None)
-    # A failed run finished (its ledger says where it failed: lessons read it); an interrupted one was cut off.
+    # A run a reveal may measure: not interrupted, and either all well or failing as the cell expects (its
+    # ledger says where it failed: lessons read it). A run that failed unexpectedly may have published from
+    # some ranks only (a rank lost at init), so its names are left without a record, like an interrupted run's.
+    measurable = end.interrupted is None and (end.failure is None or expect_failure)
+    record_run(end.published, end.ledgers, finished=measurable)
     mark_stale("was interrupted before its ranks finished" if end.interrupted is not None else None)
     for ended, stdout in end.earlier_attempts:
         print_rank_blocks(stdout, {})
