@@ -7,14 +7,17 @@ seeds; the references are one process, computed here without torch.distributed.
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 from ....vocabulary import data_flow
 from ...compare import each_result
 from ...spec import RunOutcome
 # One process's tolerances and weights are lesson 04's.
 from ..lesson04.common import ATOL, RTOL, draw_batch, draw_weights
 
-__all__ = ["ATOL", "MLP_DIM", "MLP_HIDDEN", "RTOL", "draw_batch", "draw_weights", "flows", "mlp_weights",
-           "not_a_module", "where"]
+__all__ = ["ATOL", "MLP_DIM", "MLP_HIDDEN", "RTOL", "draw_batch", "draw_weights", "flows", "judge_each",
+           "mlp_weights", "not_a_module", "not_returned", "where"]
 
 MLP_DIM, MLP_HIDDEN = 8, 16  # hidden divides by 2 and 4
 
@@ -23,12 +26,40 @@ def where(rank: int, case: int, outcome: RunOutcome) -> str:
     return f"rank {rank}, case {case + 1} of {len(outcome.inputs)} ({outcome.nproc} ranks)"
 
 
-def not_a_module(outcome: RunOutcome) -> list[str]:
-    """One line if the learner's class did not make an nn.Module on some rank (the driver says "returned")."""
+def not_returned(outcome: RunOutcome, expected: str) -> list[str]:
+    """One line if the learner's code gave something else than `expected` on some rank (the driver says
+    "returned")."""
     for case, rank, result in each_result(outcome):
         if "returned" in result.output:
-            return [f"{where(rank, case, outcome)}: got a {result.output['returned']}, expected an nn.Module"]
+            return [f"{where(rank, case, outcome)}: got a {result.output['returned']}, expected {expected}"]
     return []
+
+
+def not_a_module(outcome: RunOutcome) -> list[str]:
+    """One line if the learner's class did not make an nn.Module on some rank."""
+    return not_returned(outcome, "an nn.Module")
+
+
+Check = Callable[[RunOutcome, int, int, object], list[str]]
+
+
+def judge_each(before: Callable[[RunOutcome], list[str]]) -> Callable[[Check], Callable[[RunOutcome], list[str]]]:
+    """Turns `check(outcome, case, rank, result)`, which judges one rank's result, into a judge of the outcome:
+    `before(outcome)` first (its problem returned as it is), then `check` on each result (cases in order, ranks
+    sorted); the first problem found is returned, [] if none."""
+    def wrap(check: Check) -> Callable[[RunOutcome], list[str]]:
+        @functools.wraps(check)
+        def judge(outcome: RunOutcome) -> list[str]:
+            problem = before(outcome)
+            if problem:
+                return problem
+            for case, rank, result in each_result(outcome):
+                problem = check(outcome, case, rank, result)
+                if problem:
+                    return problem
+            return []
+        return judge
+    return wrap
 
 
 def mlp_weights(seed: int) -> dict:

@@ -12,9 +12,10 @@ before the reduce-scatter, the bias gradient all-reduced.
 
 from __future__ import annotations
 
-from ...compare import each_result, first_difference
+from ...compare import first_difference
 from ...spec import Exercise, Item, RunOutcome, RunSpec
-from .common import ATOL, MLP_DIM, MLP_HIDDEN, RTOL, draw_batch, flows, mlp_weights, not_a_module, where
+from .common import (ATOL, MLP_DIM, MLP_HIDDEN, RTOL, draw_batch, flows, judge_each, mlp_weights, not_a_module,
+                     where)
 
 __all__ = ["SP_MLP"]
 
@@ -60,108 +61,96 @@ def _mine(rank: int, n: int) -> tuple[slice, slice]:
     return slice(rank * rows, (rank + 1) * rows), slice(rank * h, (rank + 1) * h)
 
 
-def _held(outcome: RunOutcome) -> list[str]:
-    problem = not_a_module(outcome)
-    if problem:
-        return problem
+@judge_each(before=not_a_module)
+def _held(outcome: RunOutcome, case: int, rank: int, result) -> list[str]:
     h = MLP_HIDDEN // outcome.nproc
     expected = {"up_weight": [h, MLP_DIM], "up_bias": [h], "down_weight": [MLP_DIM, h], "down_bias": [MLP_DIM]}
-    for case, rank, result in each_result(outcome):
-        got = result.output["params"]
-        if got != expected:
-            shown = ", ".join(f"{k} {v}" for k, v in got.items()) or "none"
-            return [f"{where(rank, case, outcome)}: SPMLP holds the parameters {shown}; expected exactly "
-                    + ", ".join(f"{k} {v}" for k, v in expected.items())
-                    + f": this rank's {h} of the {MLP_HIDDEN} hidden units (up's rows, down's columns) and down's "
-                    "whole bias"]
+    got = result.output["params"]
+    if got != expected:
+        shown = ", ".join(f"{k} {v}" for k, v in got.items()) or "none"
+        return [f"{where(rank, case, outcome)}: SPMLP holds the parameters {shown}; expected exactly "
+                + ", ".join(f"{k} {v}" for k, v in expected.items())
+                + f": this rank's {h} of the {MLP_HIDDEN} hidden units (up's rows, down's columns) and down's "
+                "whole bias"]
     return []
 
 
-def _output(outcome: RunOutcome) -> list[str]:
+@judge_each(before=_held)
+def _output(outcome: RunOutcome, case: int, rank: int, result) -> list[str]:
     import torch
 
-    problem = _held(outcome)
-    if problem:
-        return problem
-    for case, rank, result in each_result(outcome):
-        rows, _ = _mine(rank, outcome.nproc)
-        want = _reference(outcome, case)["out"][rows]
-        wrong = first_difference(result.output["out"], want, rtol=RTOL, atol=ATOL)
-        if wrong:
-            hint = ""
-            got, n = result.output["out"], outcome.nproc
-            bias = outcome.inputs[case][rank][0]["2.bias"]
-            if list(got.shape) == [ROWS, MLP_DIM]:
-                hint = ": that is the whole sequence; return this rank's rows only (the reduce-scatter keeps them)"
-            elif got.shape == want.shape and torch.allclose(got - want, (n - 1) * bias.expand_as(want), rtol=1e-4,
-                                                            atol=1e-5):
-                hint = (f": down's bias is in it {n} times: every rank added it to its terms before the "
-                        "reduce-scatter, which sums the ranks' terms; add it once, to this rank's rows after")
-            return [f"{where(rank, case, outcome)}: the output (this rank's rows {rows.start} to {rows.stop - 1}) "
-                    f"{wrong}{hint}"]
+    rows, _ = _mine(rank, outcome.nproc)
+    want = _reference(outcome, case)["out"][rows]
+    wrong = first_difference(result.output["out"], want, rtol=RTOL, atol=ATOL)
+    if wrong:
+        hint = ""
+        got, n = result.output["out"], outcome.nproc
+        bias = outcome.inputs[case][rank][0]["2.bias"]
+        if list(got.shape) == [ROWS, MLP_DIM]:
+            hint = ": that is the whole sequence; return this rank's rows only (the reduce-scatter keeps them)"
+        elif got.shape == want.shape and torch.allclose(got - want, (n - 1) * bias.expand_as(want), rtol=1e-4,
+                                                        atol=1e-5):
+            hint = (f": down's bias is in it {n} times: every rank added it to its terms before the "
+                    "reduce-scatter, which sums the ranks' terms; add it once, to this rank's rows after")
+        return [f"{where(rank, case, outcome)}: the output (this rank's rows {rows.start} to {rows.stop - 1}) "
+                f"{wrong}{hint}"]
     return []
 
 
-def _grads(outcome: RunOutcome) -> list[str]:
+@judge_each(before=_held)
+def _grads(outcome: RunOutcome, case: int, rank: int, result) -> list[str]:
     import torch
 
-    problem = _held(outcome)
-    if problem:
-        return problem
     n = outcome.nproc
-    for case, rank, result in each_result(outcome):
-        ref, (rows, units) = _reference(outcome, case), _mine(rank, n)
-        at = where(rank, case, outcome)
-        wrong = first_difference(result.output["x.grad"], ref["x.grad"][rows], rtol=RTOL, atol=ATOL,
-                                 what=f"the input rows on rank {rank}")
+    ref, (rows, units) = _reference(outcome, case), _mine(rank, n)
+    at = where(rank, case, outcome)
+    wrong = first_difference(result.output["x.grad"], ref["x.grad"][rows], rtol=RTOL, atol=ATOL,
+                             what=f"the input rows on rank {rank}")
+    if wrong:
+        hint = ""
+        if result.output["x.grad"] is not None and "reduce_scatter" not in flows(result, result.output["backward"]):
+            hint = (": backward reduce-scattered nothing: every rank's hidden units used these rows, so their "
+                    "gradient is the sum of the ranks' terms; the all-gather's backward reduce-scatters")
+        return [f"{at}: the gradient of the input rows {wrong}{hint}"]
+    parts = {"up_weight": ("0.weight", (units,)), "up_bias": ("0.bias", (units,)),
+             "down_weight": ("2.weight", (slice(None), units)), "down_bias": ("2.bias", ())}
+    for name, (full, index) in parts.items():
+        got = result.output["grads"].get(name)
+        wrong = first_difference(got, ref[full][index], rtol=RTOL, atol=ATOL, what=f"{name} on rank {rank}")
         if wrong:
             hint = ""
-            if result.output["x.grad"] is not None and "reduce_scatter" not in flows(result, result.output["backward"]):
-                hint = (": backward reduce-scattered nothing: every rank's hidden units used these rows, so their "
-                        "gradient is the sum of the ranks' terms; the all-gather's backward reduce-scatters")
-            return [f"{at}: the gradient of the input rows {wrong}{hint}"]
-        parts = {"up_weight": ("0.weight", (units,)), "up_bias": ("0.bias", (units,)),
-                 "down_weight": ("2.weight", (slice(None), units)), "down_bias": ("2.bias", ())}
-        for name, (full, index) in parts.items():
-            got = result.output["grads"].get(name)
-            wrong = first_difference(got, ref[full][index], rtol=RTOL, atol=ATOL, what=f"{name} on rank {rank}")
-            if wrong:
-                hint = ""
-                if name == "down_bias" and got is not None and torch.allclose(got, n * ref[full], rtol=RTOL,
-                                                                              atol=ATOL):
-                    hint = (f": {n} times too large: the bias went into the terms before the reduce-scatter, whose "
-                            "backward already hands every rank every row's gradient; add it once, after")
-                elif name == "down_bias" and got is not None and "all_reduce" not in flows(result,
-                                                                                          result.output["backward"]):
-                    hint = (": that is the gradient of this rank's rows only; the bias is added to every row of the "
-                            "sequence (each on its rank), so its gradient sums every row's")
-                return [f"{at}: the gradient of {name} (this rank's part of {full}) {wrong}{hint}"]
+            if name == "down_bias" and got is not None and torch.allclose(got, n * ref[full], rtol=RTOL,
+                                                                          atol=ATOL):
+                hint = (f": {n} times too large: the bias went into the terms before the reduce-scatter, whose "
+                        "backward already hands every rank every row's gradient; add it once, after")
+            elif name == "down_bias" and got is not None and "all_reduce" not in flows(result,
+                                                                                      result.output["backward"]):
+                hint = (": that is the gradient of this rank's rows only; the bias is added to every row of the "
+                        "sequence (each on its rank), so its gradient sums every row's")
+            return [f"{at}: the gradient of {name} (this rank's part of {full}) {wrong}{hint}"]
     return []
 
 
-def _ledger(outcome: RunOutcome) -> list[str]:
-    problem = _held(outcome)
-    if problem:
-        return problem
-    for case, rank, result in each_result(outcome):
-        forward, backward = (flows(result, result.output[phase]) for phase in ("forward", "backward"))
-        at = where(rank, case, outcome)
-        if forward != ["all_gather", "reduce_scatter"]:
-            why = ""
-            if "all_reduce" in forward:
-                why = (": an all-reduce in forward sums the whole sequence on every rank; SP's exit is a "
-                       "reduce-scatter, so that each rank receives the sum of its own rows only")
-            return [f"{at}: forward called {forward or 'nothing'}, expected exactly ['all_gather', "
-                    f"'reduce_scatter']: the rows gathered before up, the row-parallel terms reduce-scattered after "
-                    f"down{why}"]
-        if backward != ["all_gather", "reduce_scatter"]:
-            why = ""
-            if "all_reduce" in backward:
-                why = (": an all-reduce is one collective too many: every rank already holds every row's gradient "
-                       "after the all-gather, the bias's gradient among them")
-            return [f"{at}: backward called {backward or 'nothing'}, expected exactly the mirror of forward: an "
-                    "all-gather of the output rows' gradient (the reduce-scatter's backward), then a reduce-scatter "
-                    f"of the input's gradient (the all-gather's backward), nothing else{why}"]
+@judge_each(before=_held)
+def _ledger(outcome: RunOutcome, case: int, rank: int, result) -> list[str]:
+    forward, backward = (flows(result, result.output[phase]) for phase in ("forward", "backward"))
+    at = where(rank, case, outcome)
+    if forward != ["all_gather", "reduce_scatter"]:
+        why = ""
+        if "all_reduce" in forward:
+            why = (": an all-reduce in forward sums the whole sequence on every rank; SP's exit is a "
+                   "reduce-scatter, so that each rank receives the sum of its own rows only")
+        return [f"{at}: forward called {forward or 'nothing'}, expected exactly ['all_gather', "
+                f"'reduce_scatter']: the rows gathered before up, the row-parallel terms reduce-scattered after "
+                f"down{why}"]
+    if backward != ["all_gather", "reduce_scatter"]:
+        why = ""
+        if "all_reduce" in backward:
+            why = (": an all-reduce is one collective too many: every rank already holds every row's gradient "
+                   "after the all-gather, the bias's gradient among them")
+        return [f"{at}: backward called {backward or 'nothing'}, expected exactly the mirror of forward: an "
+                "all-gather of the output rows' gradient (the reduce-scatter's backward), then a reduce-scatter "
+                f"of the input's gradient (the all-gather's backward), nothing else{why}"]
     return []
 
 

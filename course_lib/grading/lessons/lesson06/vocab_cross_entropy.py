@@ -12,9 +12,9 @@ summed instead of MAX'd, the target not masked, the backward summing again, the 
 
 from __future__ import annotations
 
-from ...compare import each_result, first_difference
+from ...compare import first_difference
 from ...spec import Exercise, Item, RunOutcome, RunSpec
-from .common import ATOL, RTOL, flows, where
+from .common import ATOL, RTOL, flows, judge_each, not_returned, where
 
 __all__ = ["VOCAB_CROSS_ENTROPY"]
 
@@ -58,79 +58,77 @@ def _label(outcome: RunOutcome, case: int) -> str:
     return f"{'large logits, about 100: exp overflows float32 without the max; ' if big else ''}"
 
 
-def _loss(outcome: RunOutcome) -> list[str]:
+def _not_a_loss(outcome: RunOutcome) -> list[str]:
+    return not_returned(outcome, "the loss, a tensor")
+
+
+@judge_each(before=_not_a_loss)
+def _loss(outcome: RunOutcome, case: int, rank: int, result) -> list[str]:
     import torch
 
-    for case, rank, result in each_result(outcome):
-        at = where(rank, case, outcome)
-        if "returned" in result.output:
-            return [f"{at}: got a {result.output['returned']}, expected the loss, a tensor"]
-        want = _reference(outcome, case)["loss"]
-        got = result.output["loss"]
-        wrong = first_difference(got.reshape(()) if got.numel() == 1 else got, want, rtol=RTOL, atol=ATOL)
-        if wrong:
-            hint = ""
-            if torch.isneginf(got).any():
-                hint = ("; -inf: every exponential underflowed to 0, so the shift subtracted is larger than the row's "
-                        "max (the ranks' maxes summed?): combine the ranks' maxes with ReduceOp.MAX")
-            elif not torch.isfinite(got).all():
-                hint = ("; not finite: exp of a large logit overflows; subtract the row's max over the whole "
-                        "vocabulary first")
-            elif flows(result, result.output["forward"]).count("all_reduce") < 3:
-                hint = ("; forward all-reduced fewer than 3 times: the max, the sum of exponentials and the target's "
-                        "logit each need the whole row")
-            else:
-                hint = ("; is the max the whole row's (ReduceOp.MAX), and does only the rank holding the target's "
-                        "column contribute its logit (the others masked to zero)?")
-            return [f"{at}: {_label(outcome, case)}the loss {wrong}{hint}"]
+    at = where(rank, case, outcome)
+    want = _reference(outcome, case)["loss"]
+    got = result.output["loss"]
+    wrong = first_difference(got.reshape(()) if got.numel() == 1 else got, want, rtol=RTOL, atol=ATOL)
+    if wrong:
+        hint = ""
+        if torch.isneginf(got).any():
+            hint = ("; -inf: every exponential underflowed to 0, so the shift subtracted is larger than the row's "
+                    "max (the ranks' maxes summed?): combine the ranks' maxes with ReduceOp.MAX")
+        elif not torch.isfinite(got).all():
+            hint = ("; not finite: exp of a large logit overflows; subtract the row's max over the whole "
+                    "vocabulary first")
+        elif flows(result, result.output["forward"]).count("all_reduce") < 3:
+            hint = ("; forward all-reduced fewer than 3 times: the max, the sum of exponentials and the target's "
+                    "logit each need the whole row")
+        else:
+            hint = ("; is the max the whole row's (ReduceOp.MAX), and does only the rank holding the target's "
+                    "column contribute its logit (the others masked to zero)?")
+        return [f"{at}: {_label(outcome, case)}the loss {wrong}{hint}"]
     return []
 
 
-def _grads(outcome: RunOutcome) -> list[str]:
+@judge_each(before=_not_a_loss)
+def _grads(outcome: RunOutcome, case: int, rank: int, result) -> list[str]:
     import torch
 
     n = outcome.nproc
-    for case, rank, result in each_result(outcome):
-        at = where(rank, case, outcome)
-        if "returned" in result.output:
-            return [f"{at}: got a {result.output['returned']}, expected the loss, a tensor"]
-        per = VOCAB // n
-        want = _reference(outcome, case)["grad"][:, rank * per:(rank + 1) * per]
-        got = result.output["logits.grad"]
-        wrong = first_difference(got, want, rtol=RTOL, atol=ATOL, what=f"the logits on rank {rank}")
-        if wrong:
-            hint = ""
-            if isinstance(got, torch.Tensor) and torch.allclose(got, want * n, rtol=RTOL, atol=ATOL):
-                hint = (f": {n} times too large: backward summed the ranks' gradients; every rank computes the same "
-                        "loss, so each rank's columns already get their whole gradient")
-            elif isinstance(got, torch.Tensor) and torch.allclose(got, want * ROWS, rtol=RTOL, atol=ATOL):
-                hint = (f": {ROWS} times too large: the loss is the mean over the {ROWS} rows, so each row's "
-                        f"gradient is divided by {ROWS}")
-            elif isinstance(got, torch.Tensor) and "all_reduce" in flows(result, result.output["backward"]):
-                hint = ": backward all-reduced; every rank holds the same loss, so its backward sums nothing"
-            return [f"{at}: {_label(outcome, case)}the gradient of this rank's columns {rank * per} to "
-                    f"{(rank + 1) * per - 1} {wrong}{hint}"]
+    at = where(rank, case, outcome)
+    per = VOCAB // n
+    want = _reference(outcome, case)["grad"][:, rank * per:(rank + 1) * per]
+    got = result.output["logits.grad"]
+    wrong = first_difference(got, want, rtol=RTOL, atol=ATOL, what=f"the logits on rank {rank}")
+    if wrong:
+        hint = ""
+        if isinstance(got, torch.Tensor) and torch.allclose(got, want * n, rtol=RTOL, atol=ATOL):
+            hint = (f": {n} times too large: backward summed the ranks' gradients; every rank computes the same "
+                    "loss, so each rank's columns already get their whole gradient")
+        elif isinstance(got, torch.Tensor) and torch.allclose(got, want * ROWS, rtol=RTOL, atol=ATOL):
+            hint = (f": {ROWS} times too large: the loss is the mean over the {ROWS} rows, so each row's "
+                    f"gradient is divided by {ROWS}")
+        elif isinstance(got, torch.Tensor) and "all_reduce" in flows(result, result.output["backward"]):
+            hint = ": backward all-reduced; every rank holds the same loss, so its backward sums nothing"
+        return [f"{at}: {_label(outcome, case)}the gradient of this rank's columns {rank * per} to "
+                f"{(rank + 1) * per - 1} {wrong}{hint}"]
     return []
 
 
-def _ledger(outcome: RunOutcome) -> list[str]:
-    for case, rank, result in each_result(outcome):
-        at = where(rank, case, outcome)
-        if "returned" in result.output:
-            return [f"{at}: got a {result.output['returned']}, expected the loss, a tensor"]
-        # The whole logits never exist on one rank: each all-reduce carries at most one number per row.
-        start, stop = result.output["forward"]
-        row = ROWS * result.output["loss"].element_size()
-        sent = [e["bytes"] for e in result.ledger if start <= e["start"] <= stop]  # all-reduces only (allowed_ops)
-        if any(b > row for b in sent):
-            return [f"{at}: forward all-reduced {sent} B, more than {row} B (one number per row of {ROWS}) in one "
-                    "call: the whole logits must never exist on one rank; all-reduce only the row's max, its sum of "
-                    "exponentials and its target logit"]
-        forward, backward = (flows(result, result.output[phase]) for phase in ("forward", "backward"))
-        if (forward, backward) != (["all_reduce"] * 3, []):
-            return [f"{at}: forward called {forward or 'nothing'} and backward {backward or 'nothing'}, expected "
-                    "three all-reduces in forward (the max, the sum of exponentials, the target's logit), none in "
-                    "backward"]
+@judge_each(before=_not_a_loss)
+def _ledger(outcome: RunOutcome, case: int, rank: int, result) -> list[str]:
+    at = where(rank, case, outcome)
+    # The whole logits never exist on one rank: each all-reduce carries at most one number per row.
+    start, stop = result.output["forward"]
+    row = ROWS * result.output["loss"].element_size()
+    sent = [e["bytes"] for e in result.ledger if start <= e["start"] <= stop]  # all-reduces only (allowed_ops)
+    if any(b > row for b in sent):
+        return [f"{at}: forward all-reduced {sent} B, more than {row} B (one number per row of {ROWS}) in one "
+                "call: the whole logits must never exist on one rank; all-reduce only the row's max, its sum of "
+                "exponentials and its target logit"]
+    forward, backward = (flows(result, result.output[phase]) for phase in ("forward", "backward"))
+    if (forward, backward) != (["all_reduce"] * 3, []):
+        return [f"{at}: forward called {forward or 'nothing'} and backward {backward or 'nothing'}, expected "
+                "three all-reduces in forward (the max, the sum of exponentials, the target's logit), none in "
+                "backward"]
     return []
 
 

@@ -10,9 +10,9 @@ rows), the all-reduce's backward summing again.
 
 from __future__ import annotations
 
-from ...compare import each_result, first_difference
+from ...compare import first_difference
 from ...spec import Exercise, Item, RunOutcome, RunSpec
-from .common import ATOL, RTOL, flows, not_a_module, where
+from .common import ATOL, RTOL, flows, judge_each, not_a_module, where
 
 __all__ = ["VOCAB_EMBEDDING"]
 
@@ -56,86 +56,74 @@ def _rows(rank: int, n: int) -> slice:
     return slice(rank * per, (rank + 1) * per)
 
 
-def _held(outcome: RunOutcome) -> list[str]:
-    problem = not_a_module(outcome)
-    if problem:
-        return problem
+@judge_each(before=not_a_module)
+def _held(outcome: RunOutcome, case: int, rank: int, result) -> list[str]:
     per = VOCAB // outcome.nproc
-    for case, rank, result in each_result(outcome):
-        if result.output["params"] != {"weight": [per, DIM]}:
-            shown = ", ".join(f"{k} {v}" for k, v in result.output["params"].items()) or "none"
-            return [f"{where(rank, case, outcome)}: VocabEmbedding holds {shown}; expected exactly weight "
-                    f"[{per}, {DIM}]: this rank's {per} of the {VOCAB} rows of the vocabulary"]
+    if result.output["params"] != {"weight": [per, DIM]}:
+        shown = ", ".join(f"{k} {v}" for k, v in result.output["params"].items()) or "none"
+        return [f"{where(rank, case, outcome)}: VocabEmbedding holds {shown}; expected exactly weight "
+                f"[{per}, {DIM}]: this rank's {per} of the {VOCAB} rows of the vocabulary"]
     return []
 
 
-def _output(outcome: RunOutcome) -> list[str]:
+@judge_each(before=_held)
+def _output(outcome: RunOutcome, case: int, rank: int, result) -> list[str]:
     import torch
 
-    problem = _held(outcome)
-    if problem:
-        return problem
-    for case, rank, result in each_result(outcome):
-        weight, tokens = outcome.inputs[case][rank]
-        want = _reference(weight, tokens)["out"]
-        got = result.output["out"]
-        wrong = first_difference(got, want, rtol=RTOL, atol=ATOL)
-        if wrong:
-            hint = ""
-            if isinstance(got, torch.Tensor) and got.shape == want.shape:
-                if "all_reduce" not in flows(result, result.output["forward"]):
-                    hint = ": forward summed nothing, so each token has only the rank that holds its row's term"
-                else:
-                    hint = (": a token outside this rank's rows must give a zero row (mask it), or the sum adds "
-                            "rows that belong to other tokens")
-            return [f"{where(rank, case, outcome)}: the output {wrong}{hint}"]
+    weight, tokens = outcome.inputs[case][rank]
+    want = _reference(weight, tokens)["out"]
+    got = result.output["out"]
+    wrong = first_difference(got, want, rtol=RTOL, atol=ATOL)
+    if wrong:
+        hint = ""
+        if isinstance(got, torch.Tensor) and got.shape == want.shape:
+            if "all_reduce" not in flows(result, result.output["forward"]):
+                hint = ": forward summed nothing, so each token has only the rank that holds its row's term"
+            else:
+                hint = (": a token outside this rank's rows must give a zero row (mask it), or the sum adds "
+                        "rows that belong to other tokens")
+        return [f"{where(rank, case, outcome)}: the output {wrong}{hint}"]
     return []
 
 
-def _grads(outcome: RunOutcome) -> list[str]:
+@judge_each(before=_held)
+def _grads(outcome: RunOutcome, case: int, rank: int, result) -> list[str]:
     import torch
 
-    problem = _held(outcome)
-    if problem:
-        return problem
     n = outcome.nproc
-    for case, rank, result in each_result(outcome):
-        weight, tokens = outcome.inputs[case][rank]
-        want = _reference(weight, tokens)["weight"][_rows(rank, n)]
-        got = result.output["grads"]["weight"]
-        wrong = first_difference(got, want, rtol=RTOL, atol=ATOL, what=f"weight on rank {rank}")
-        if wrong:
-            hint = ""
-            if isinstance(got, torch.Tensor) and torch.allclose(got, want * n, rtol=RTOL, atol=ATOL):
-                hint = (f": {n} times too large: backward summed the ranks' gradients again; each rank's rows get "
-                        "their gradient from the whole output's gradient, which every rank already holds")
-            rows = _rows(rank, n)
-            return [f"{where(rank, case, outcome)}: the gradient of this rank's rows {rows.start} to {rows.stop - 1} "
-                    f"of the weight {wrong}{hint}"]
+    weight, tokens = outcome.inputs[case][rank]
+    want = _reference(weight, tokens)["weight"][_rows(rank, n)]
+    got = result.output["grads"]["weight"]
+    wrong = first_difference(got, want, rtol=RTOL, atol=ATOL, what=f"weight on rank {rank}")
+    if wrong:
+        hint = ""
+        if isinstance(got, torch.Tensor) and torch.allclose(got, want * n, rtol=RTOL, atol=ATOL):
+            hint = (f": {n} times too large: backward summed the ranks' gradients again; each rank's rows get "
+                    "their gradient from the whole output's gradient, which every rank already holds")
+        rows = _rows(rank, n)
+        return [f"{where(rank, case, outcome)}: the gradient of this rank's rows {rows.start} to {rows.stop - 1} "
+                f"of the weight {wrong}{hint}"]
     return []
 
 
-def _ledger(outcome: RunOutcome) -> list[str]:
-    problem = _held(outcome)
-    if problem:
-        return problem
-    for case, rank, result in each_result(outcome):
-        at = where(rank, case, outcome)
-        forward, backward = (flows(result, result.output[phase]) for phase in ("forward", "backward"))
-        if (forward, backward) != (["all_reduce"], []):
-            return [f"{at}: forward called {forward or 'nothing'} and backward {backward or 'nothing'}, expected one "
-                    "all-reduce in forward (after the masked lookup, summing the ranks' rows) and nothing in backward"]
-        # What the all-reduce carried: the looked-up rows (the output's size), never the table. Summing the
-        # zero-padded shards rebuilds the whole table on every rank (FSDP's gather, done with an all-reduce).
-        start, stop = result.output["forward"]
-        sent = next(e["bytes"] for e in result.ledger if start <= e["start"] <= stop)
-        out = result.output["out"]
-        rows = out.numel() * out.element_size()
-        if sent != rows:
-            table = " (the whole table's size)" if sent == VOCAB * DIM * out.element_size() else ""
-            return [f"{at}: the all-reduce carried {sent} B{table}, expected {rows} B, the looked-up rows "
-                    f"{list(out.shape)}: the whole table must never be rebuilt on one rank; sum the ranks' "
-                    "masked rows of the output, not their shards of the weight"]
+@judge_each(before=_held)
+def _ledger(outcome: RunOutcome, case: int, rank: int, result) -> list[str]:
+    at = where(rank, case, outcome)
+    forward, backward = (flows(result, result.output[phase]) for phase in ("forward", "backward"))
+    if (forward, backward) != (["all_reduce"], []):
+        return [f"{at}: forward called {forward or 'nothing'} and backward {backward or 'nothing'}, expected one "
+                "all-reduce in forward (after the masked lookup, summing the ranks' rows) and nothing in backward"]
+    # What the all-reduce carried: the looked-up rows (the output's size), never the table. Summing the
+    # zero-padded shards rebuilds the whole table on every rank (FSDP's gather, done with an all-reduce).
+    start, stop = result.output["forward"]
+    sent = next(e["bytes"] for e in result.ledger if start <= e["start"] <= stop)
+    out = result.output["out"]
+    rows = out.numel() * out.element_size()
+    if sent != rows:
+        table = " (the whole table's size)" if sent == VOCAB * DIM * out.element_size() else ""
+        return [f"{at}: the all-reduce carried {sent} B{table}, expected {rows} B, the looked-up rows "
+                f"{list(out.shape)}: the whole table must never be rebuilt on one rank; sum the ranks' "
+                "masked rows of the output, not their shards of the weight"]
     return []
 
 
