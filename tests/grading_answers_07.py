@@ -14,22 +14,22 @@ class RunState(Stateful):
 
     def state_dict(self):
         model_state, optim_state = get_state_dict(self.run.model, self.run.optimizer)
-        return {"model": model_state, "optim": optim_state, "scheduler": self.run.scheduler.state_dict(),
-                "step": self.run.step, "epoch": self.run.sampler.epoch,
-                f"rng_{dist.get_rank()}": torch.get_rng_state()}
+        return {"model": model_state, "optim": optim_state, "step": self.run.step, "ema": self.run.ema,
+                f"generator_{dist.get_rank()}": self.run.generator.get_state()}
 
     def load_state_dict(self, state):
         set_state_dict(self.run.model, self.run.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
-        self.run.scheduler.load_state_dict(state["scheduler"])
         self.run.step = state["step"]
-        self.run.sampler.set_epoch(state["epoch"])
-        torch.set_rng_state(state[f"rng_{dist.get_rank()}"])
+        self.run.generator.set_state(state[f"generator_{dist.get_rank()}"])
 
 
 def app_state(run):
     return RunState(run)
 '''
+GENERATOR_SAVED = 'f"generator_{dist.get_rank()}": self.run.generator.get_state()'
+GENERATOR_SET = '        self.run.generator.set_state(state[f"generator_{dist.get_rank()}"])\n'
+assert GENERATOR_SAVED in APP_SOLUTION and GENERATOR_SET in APP_SOLUTION
 
 # The optimizer left out: the model resumes, Adam starts again from zero moments.
 APP_NO_OPTIMIZER = (APP_SOLUTION
@@ -40,26 +40,47 @@ APP_NO_OPTIMIZER = (APP_SOLUTION
                        optim_state_dict=state["optim"])
 ''', '''        self.run.model.load_state_dict(state["model"])
 '''))
+assert APP_NO_OPTIMIZER.count("get_state_dict(") == 0
 
-# The lesson's single name for the RNG: the ranks are seeded apart, so every rank loads one rank's state.
-APP_ONE_RNG_NAME = APP_SOLUTION.replace('f"rng_{dist.get_rank()}"', '"rng"')
+# The generator under one name, as if every rank's were alike: one rank's copy goes to every rank.
+APP_GENERATOR_ONE_NAME = APP_SOLUTION.replace('f"generator_{dist.get_rank()}"', '"generator"')
+assert APP_GENERATOR_ONE_NAME.count('"generator"') == 2
 
-# The sampler's epoch left out: in the middle of an epoch, the rows are another epoch's.
-APP_NO_EPOCH = (APP_SOLUTION.replace('''
-                "step": self.run.step, "epoch": self.run.sampler.epoch,''', '''
-                "step": self.run.step,''')
-                .replace('''        self.run.sampler.set_epoch(state["epoch"])
-''', ""))
+# The lesson's habit: the global RNG under a name per rank. The rows and dropout come from run.generator.
+APP_GLOBAL_RNG = (APP_SOLUTION.replace(GENERATOR_SAVED, 'f"rng_{dist.get_rank()}": torch.get_rng_state()')
+                  .replace(GENERATOR_SET, '        torch.set_rng_state(state[f"rng_{dist.get_rank()}"])\n'))
+assert "generator" not in APP_GLOBAL_RNG.split("def load_state_dict")[1]
 
-# The scheduler left out: the new run's schedule restarts at its first step.
-APP_NO_SCHEDULER = (APP_SOLUTION.replace(''' "scheduler": self.run.scheduler.state_dict(),''', "")
-                    .replace('''        self.run.scheduler.load_state_dict(state["scheduler"])
-''', ""))
+# The generator saved but never set back: the new run draws from its own.
+APP_GENERATOR_NOT_SET = APP_SOLUTION.replace(GENERATOR_SET, "")
+assert APP_GENERATOR_NOT_SET != APP_SOLUTION
+
+# The EMA left out: the new run's shadows are its fresh weights.
+APP_NO_EMA = APP_SOLUTION.replace(' "ema": self.run.ema,', "")
+assert APP_NO_EMA != APP_SOLUTION
+
+# The EMA rebuilt from the loaded weights instead of saved: it forgets the average of the steps before.
+APP_EMA_FROM_WEIGHTS = APP_NO_EMA.replace('''        self.run.step = state["step"]
+''', '''        self.run.step = state["step"]
+        with torch.no_grad():
+            for name, p in self.run.model.named_parameters():
+                self.run.ema[name].copy_(p)
+''')
+assert APP_EMA_FROM_WEIGHTS != APP_NO_EMA
+
+# Copies of the shadows handed to DCP: dcp.load fills the copies, load_state_dict never copies them back.
+APP_EMA_COPIES = APP_SOLUTION.replace('"ema": self.run.ema,', '"ema": {k: v.clone() for k, v in self.run.ema.items()},')
+assert APP_EMA_COPIES != APP_SOLUTION
 
 # No set_state_dict: dcp.load filled the tensors in place, but Adam's lr stays the new run's.
 APP_NO_SET_STATE_DICT = APP_SOLUTION.replace('''        set_state_dict(self.run.model, self.run.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
 ''', "")
+assert APP_NO_SET_STATE_DICT != APP_SOLUTION
+
+# The step left out: the new run starts again at step 0.
+APP_NO_STEP = APP_SOLUTION.replace('        self.run.step = state["step"]\n', "")
+assert APP_NO_STEP != APP_SOLUTION
 
 RESHARD_SOLUTION = '''%%exercise 07.reshard_load
 import torch

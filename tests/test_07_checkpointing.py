@@ -79,7 +79,7 @@ def test_stub_scores_zero_and_says_what_to_write_once(exercise_id, ranks):
     assert_stub_scores_zero_with_its_first_hint_once(exercise_id, STUBS[exercise_id], ranks=ranks)
 
 
-RESUMED = "a new run loaded from the checkpoint reproduces the uninterrupted losses, bit for bit (2 ranks)"
+RESUMED = "a new run loaded from the checkpoint reproduces the uninterrupted losses and EMA, bit for bit (2 ranks)"
 RESHARD_PARAMS_2 = "one process -> FSDP2: the parameters equal one process after 2 steps (2 ranks)"
 RESHARD_OPTIM_2 = "one process -> FSDP2: Adam's moments, step counts and lr equal one process's (2 ranks)"
 RESHARD_PIECES_2 = "one process -> FSDP2: rank 1 never receives half the checkpoint or more at once (2 ranks)"
@@ -91,24 +91,38 @@ SURVIVES = ("a save that fails part-way deletes nothing and leaves LATEST naming
             "equals one process (2 ranks)")
 
 WRONG = [
-    # Adam's state left out: step 4's forward still uses the loaded weights, step 5 differs.
+    # Adam's state left out: step k+1's forward still uses the loaded weights, step k+2 differs.
     pytest.param(APP, answers.APP_NO_OPTIMIZER, {
         RESUMED: ("resumed at step 3, the loss of step 5 is", "not restored by the load: Adam's state"),
     }, id="app-state-without-optimizer"),
-    # The lesson's one name: ranks seeded apart, one rank's state comes back to every rank.
-    pytest.param(APP, answers.APP_ONE_RNG_NAME, {
-        RESUMED: ("the loss of step 4 is", "this rank's own random state", "save it under a name per rank"),
-    }, id="app-state-rng-under-one-name"),
-    pytest.param(APP, answers.APP_NO_SCHEDULER, {
-        RESUMED: ("resumed at step 3, the loss of step", "the scheduler's state"),
-    }, id="app-state-without-scheduler"),
+    # One name for a state that differs per rank: one rank's copy comes back to every rank.
+    pytest.param(APP, answers.APP_GENERATOR_ONE_NAME, {
+        RESUMED: ("run.generator holds rank", "saved state: saved under one name shared by the ranks",
+                  "save it under a name per rank"),
+    }, id="app-state-generator-under-one-name"),
+    # The lesson's torch.get_rng_state(): the global RNG is not the run's generator.
+    pytest.param(APP, answers.APP_GLOBAL_RNG, {
+        RESUMED: ("run.generator is the new run's own while the global RNG was restored",
+                  "torch.get_rng_state() does not hold"),
+    }, id="app-state-global-rng-instead-of-generator"),
+    pytest.param(APP, answers.APP_GENERATOR_NOT_SET, {
+        RESUMED: ("run.generator is the new run's own: its state was not saved, or not set back with set_state",),
+    }, id="app-state-generator-not-set-back"),
+    pytest.param(APP, answers.APP_NO_EMA, {
+        RESUMED: ("run.ema is not the saved one",),
+    }, id="app-state-without-ema"),
+    pytest.param(APP, answers.APP_EMA_FROM_WEIGHTS, {
+        RESUMED: ("run.ema equals the loaded parameters: an EMA rebuilt from the weights forgets",),
+    }, id="app-state-ema-rebuilt-from-weights"),
+    pytest.param(APP, answers.APP_EMA_COPIES, {
+        RESUMED: ("run.ema is not the saved one", "copies that load_state_dict() never copies back"),
+    }, id="app-state-ema-copies-never-copied-back"),
     pytest.param(APP, answers.APP_NO_SET_STATE_DICT, {
         RESUMED: ("resumed at step 3, the loss of step", "Adam's param_groups (its lr"),
     }, id="app-state-without-set-state-dict"),
-    # In the middle of an epoch the loop does not set the epoch again: the rows are epoch 0's.
-    pytest.param(APP, answers.APP_NO_EPOCH, {
-        RESUMED: ("resumed at step 3, the loss of step 4 is", "not restored by the load: the sampler's epoch"),
-    }, id="app-state-without-epoch"),
+    pytest.param(APP, answers.APP_NO_STEP, {
+        RESUMED: ("the resumed run starts at step 0, expected 3: run.step was not restored",),
+    }, id="app-state-without-step"),
     # set_model_state_dict alone (lesson 05's call): Adam keeps the fresh run's state.
     pytest.param(RESHARD, answers.RESHARD_MODEL_ONLY, {
         RESHARD_OPTIM_2: ("loaded on 2 ranks over a mesh of 2 (FSDP2)", "the optimizer's state was not loaded"),

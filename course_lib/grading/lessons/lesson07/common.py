@@ -3,7 +3,7 @@ judge says where and what differs.
 
 Every run trains lesson 07's run (drivers.train: lessons 04-05's model, Adam with a StepLR, a shuffled sampler,
 noise from the global RNG) with FSDP2 over a CPU mesh (gloo). References are one process, computed here with
-the same `train` and no torch.distributed (`drivers.one_process_ranks` when the ranks are seeded per rank).
+the same `train` and no torch.distributed (`drivers.one_process_app` for 07.app_state's own run).
 """
 
 from __future__ import annotations

@@ -17,14 +17,15 @@ from typing import Callable
 
 import torch
 
-__all__ = ["dcp_app_state", "dcp_crash_safe_save", "dcp_reshard_load", "full_state", "new_run", "one_process_ranks",
-           "train"]
+__all__ = ["dcp_app_state", "dcp_crash_safe_save", "dcp_reshard_load", "full_state", "new_app_run", "new_run",
+           "one_process_app", "train", "train_app"]
 
 ROWS = 16  # an epoch: 2 steps of 8 rows (each rank its share)
 BATCH = 8
 LR = 0.01
 FRESH_LR = 0.02  # a resumed run's Adam starts with another lr: only set_state_dict puts the saved param_groups back
 DECAY_EVERY, DECAY = 2, 0.5  # the run's StepLR: lr halves every 2 steps
+DROPOUT, EMA_DECAY = 0.25, 0.9  # 07.app_state's input dropout and its EMA's decay
 
 
 def _dist():
@@ -39,10 +40,9 @@ def _mesh(shape: tuple, names: tuple | None = None):
     return init_device_mesh("cpu", shape, mesh_dim_names=names)  # the checker's ranks run gloo
 
 
-def new_run(mesh=None, seed: int = 1234, lr: float = LR, per_rank: bool = False) -> types.SimpleNamespace:
+def new_run(mesh=None, seed: int = 1234, lr: float = LR) -> types.SimpleNamespace:
     """A fresh run: `model` (FSDP2 bottom-up over `mesh`, if given), `optimizer` (Adam at `lr`), `scheduler`
-    (StepLR), `sampler`, `step` 0; the global RNG seeded with `seed`, or `seed + rank` if `per_rank` (each
-    rank draws its own noise, as with dropout; `one_process_ranks` replays every rank's stream)."""
+    (StepLR), `sampler`, `step` 0; the global RNG seeded with `seed` on every rank."""
     from torch.utils.data import DistributedSampler
 
     from ....models import make_model
@@ -57,7 +57,7 @@ def new_run(mesh=None, seed: int = 1234, lr: float = LR, per_rank: bool = False)
     dist = _dist()
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist and mesh is not None else (1, 0)
     sampler = DistributedSampler(range(ROWS), num_replicas=world, rank=rank, shuffle=True, seed=0)
-    torch.manual_seed(seed + (rank if per_rank else 0))
+    torch.manual_seed(seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=DECAY_EVERY, gamma=DECAY)
     return types.SimpleNamespace(model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler, step=0)
@@ -92,39 +92,6 @@ def train(run, until: int) -> list[float]:
     return losses
 
 
-def one_process_ranks(world: int, steps: int, seed: int = 1234) -> list[float]:
-    """One process replaying `world` ranks seeded `seed + rank` (new_run(per_rank=True)): each step, every
-    rank's rows with that rank's noise, one forward over the 8 rows, one Adam step. Each step's loss."""
-    from torch.utils.data import DistributedSampler
-
-    from ....models import make_batch, make_model
-
-    inputs_all, targets_all = make_batch(ROWS)
-    model = make_model()
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=DECAY_EVERY, gamma=DECAY)
-    samplers = [DistributedSampler(range(ROWS), num_replicas=world, rank=r, shuffle=True, seed=0) for r in range(world)]
-    streams = [torch.Generator().manual_seed(seed + r) for r in range(world)]
-    losses = []
-    for step in range(steps):
-        epoch, position = divmod(step, ROWS // BATCH)
-        share = BATCH // world
-        inputs, targets = [], []
-        for sampler, stream in zip(samplers, streams):
-            sampler.set_epoch(epoch)
-            rows = list(sampler)[position * share:(position + 1) * share]
-            noise = 0.01 * torch.randn(ROWS, inputs_all.shape[1], generator=stream)
-            inputs.append((inputs_all + noise)[rows])
-            targets.append(targets_all[rows])
-        optimizer.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(torch.cat(inputs)), torch.cat(targets))
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-        losses.append(loss.item())
-    return losses
-
-
 def full_state(model, optimizer) -> dict:
     """{"model": {name: whole tensor}, "exp_avg": {...}, "exp_avg_sq": {...}}: what one process compares with
     (empty moments where the optimizer holds no state for a parameter)."""
@@ -148,47 +115,150 @@ def full_state(model, optimizer) -> dict:
     return out
 
 
-def _rng_matches(saved: torch.Tensor) -> bool:
-    return torch.equal(torch.get_rng_state(), saved)
+def _state_id(generator_or_state) -> str:
+    """A short fingerprint of a torch.Generator's state (or of an RNG state tensor), to compare across ranks."""
+    import hashlib
+
+    state = generator_or_state.get_state() if isinstance(generator_or_state, torch.Generator) else generator_or_state
+    return hashlib.sha1(state.numpy().tobytes()).hexdigest()[:16]
+
+
+def new_app_run(mesh=None, seed: int = 1234, lr: float = LR) -> types.SimpleNamespace:
+    """07.app_state's run: `model` (FSDP2 over `mesh`, if given), `optimizer` (Adam at `lr`), `generator` (a
+    torch.Generator seeded `seed + rank`: this rank's rows and dropout masks), `ema` ({name: a shadow of the
+    parameter, sharded like it}, updated after every step), `step` 0. The global RNG is seeded `seed + rank` too,
+    and the training loop never draws from it."""
+    from ....models import make_model
+
+    model = make_model()
+    if mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in (model[1], model[2]):
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    dist = _dist()
+    rank = dist.get_rank() if dist and mesh is not None else 0
+    torch.manual_seed(seed + rank)
+    return types.SimpleNamespace(
+        model=model, optimizer=torch.optim.Adam(model.parameters(), lr=lr),
+        generator=torch.Generator().manual_seed(seed + rank),
+        ema={name: p.detach().clone() for name, p in model.named_parameters()}, step=0)
+
+
+def _app_draw(generator: torch.Generator, share: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's draw for one step: `share` row indices (with replacement) and an input dropout mask."""
+    rows = torch.randint(0, ROWS, (share,), generator=generator)
+    keep = (torch.rand(share, 8, generator=generator) >= DROPOUT).float() / (1 - DROPOUT)
+    return rows, keep
+
+
+def train_app(run, until: int) -> list[float]:
+    """07.app_state's loop: steps run.step .. until-1; each rank draws its rows and dropout from run.generator,
+    Adam steps, then every EMA shadow moves toward its parameter. Each step's loss (the ranks' mean:
+    all_reduce)."""
+    from ....models import make_batch
+
+    inputs_all, targets_all = make_batch(ROWS)
+    dist = _dist()
+    world = dist.get_world_size() if dist is not None else 1
+    losses = []
+    while run.step < until:
+        rows, keep = _app_draw(run.generator, BATCH // world)
+        run.optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(run.model(inputs_all[rows] * keep), targets_all[rows])
+        loss.backward()
+        run.optimizer.step()
+        with torch.no_grad():
+            for name, p in run.model.named_parameters():
+                run.ema[name].lerp_(p.detach(), 1 - EMA_DECAY)
+        loss = loss.detach()
+        if dist is not None and world > 1:
+            dist.all_reduce(loss)
+            loss /= world
+        losses.append(loss.item())
+        run.step += 1
+    return losses
+
+
+def one_process_app(world: int, steps: int, seed: int = 1234) -> tuple[list[float], dict]:
+    """One process replaying `world` ranks of train_app: each step every rank's draw from its own generator
+    (seeded `seed + rank`), one forward over the 8 rows, one Adam step, the EMA. Losses and the final EMA."""
+    from ....models import make_batch, make_model
+
+    inputs_all, targets_all = make_batch(ROWS)
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    ema = {name: p.detach().clone() for name, p in model.named_parameters()}
+    streams = [torch.Generator().manual_seed(seed + r) for r in range(world)]
+    losses = []
+    for _ in range(steps):
+        draws = [_app_draw(stream, BATCH // world) for stream in streams]
+        inputs = torch.cat([inputs_all[rows] * keep for rows, keep in draws])
+        targets = torch.cat([targets_all[rows] for rows, _ in draws])
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                ema[name].lerp_(p.detach(), 1 - EMA_DECAY)
+        losses.append(loss.item())
+    return losses, ema
+
+
+def _whole(tensors: dict) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    return {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
+            for name, t in tensors.items()}
 
 
 def dcp_app_state(fn: Callable, stop_at: int, total: int, folder: str) -> dict:
     """07.app_state: train to `stop_at`, save {"app": fn(run)} with dcp.save, train on to `total` (the
-    uninterrupted run); then a fresh run, as a new launch would start it (another seed), loads {"app":
-    fn(fresh)} with dcp.load and trains to `total` (the resumed run). Send back both runs' losses and which
-    parts the load restored. Ranks are seeded per rank; the fresh run's Adam starts at another lr."""
+    uninterrupted run); then a fresh run, as a new launch would start it (another seed, Adam at another lr),
+    loads {"app": fn(fresh)} with dcp.load and trains to `total` (the resumed run). Send back both runs' losses
+    and EMA, and what the load restored (fingerprints of the generators to tell whose state came back)."""
     import torch.distributed.checkpoint as dcp
 
-    mesh = _mesh((_dist().get_world_size(),))
-    run = new_run(mesh, per_rank=True)
-    train(run, stop_at)
-    at_save = {"rng": torch.get_rng_state(), "epoch": run.sampler.epoch, "step": run.step,
-               "state": full_state(run.model, run.optimizer), "lr": run.optimizer.param_groups[0]["lr"],
-               "scheduler": run.scheduler.state_dict()}
-    state = fn(run)
-    dcp.save({"app": state}, checkpoint_id=folder)
-    changed_rng = not _rng_matches(at_save["rng"])
-    uninterrupted = train(run, total)
+    dist = _dist()
+    mesh = _mesh((dist.get_world_size(),))
+    run = new_app_run(mesh)
+    train_app(run, stop_at)
+    at_save = {"generator": _state_id(run.generator), "global": _state_id(torch.get_rng_state()),
+               "step": run.step, "state": full_state(run.model, run.optimizer), "ema": _whole(run.ema),
+               "lr": run.optimizer.param_groups[0]["lr"]}
+    dcp.save({"app": fn(run)}, checkpoint_id=folder)
+    save_changed = _state_id(run.generator) != at_save["generator"]
+    uninterrupted = train_app(run, total)
+    uninterrupted_ema = _whole(run.ema)
 
-    # A new process: another model state, the RNG elsewhere, epoch 0, step 0, another lr and a new schedule.
-    fresh = new_run(mesh, seed=99, lr=FRESH_LR, per_rank=True)
+    # A new process: another model state, generators and global RNG elsewhere, step 0, another lr.
+    fresh = new_app_run(mesh, seed=99, lr=FRESH_LR)
+    fresh_generator = _state_id(fresh.generator)
     dcp.load({"app": fn(fresh)}, checkpoint_id=folder)
     loaded = full_state(fresh.model, fresh.optimizer)
+    loaded_ema = _whole(fresh.ema)
+    loaded_generator, global_loaded = _state_id(fresh.generator), _state_id(torch.get_rng_state()) == at_save["global"]
     restored = {
         "step": fresh.step == at_save["step"],
-        "epoch": fresh.sampler.epoch == at_save["epoch"],
-        "rng": _rng_matches(at_save["rng"]),
+        "generator": loaded_generator == at_save["generator"],
         "model": all(torch.equal(loaded["model"][n], v) for n, v in at_save["state"]["model"].items()),
         "optimizer": bool(loaded["exp_avg"]) and all(
             n in loaded["exp_avg"] and torch.equal(loaded["exp_avg"][n], v)
             for n, v in at_save["state"]["exp_avg"].items()) and loaded["steps"] == at_save["state"]["steps"],
         "lr": fresh.optimizer.param_groups[0]["lr"] == at_save["lr"],
-        "scheduler": fresh.scheduler.state_dict() == at_save["scheduler"],
+        "ema": all(n in loaded_ema and torch.equal(loaded_ema[n], v) for n, v in at_save["ema"].items()),
     }
     resumed_at = fresh.step
-    resumed = train(fresh, total) if fresh.step < total else []
-    return {"uninterrupted": uninterrupted, "resumed": resumed, "resumed_at": resumed_at, "restored": restored,
-            "save_changed_rng": changed_rng}
+    resumed = train_app(fresh, total) if fresh.step < total else []
+    return {"uninterrupted": uninterrupted, "uninterrupted_ema": uninterrupted_ema, "resumed": resumed,
+            "resumed_ema": _whole(fresh.ema), "resumed_at": resumed_at, "restored": restored,
+            "save_changed_generator": save_changed,
+            "generators": {"saved": at_save["generator"], "fresh": fresh_generator,
+                           "loaded": loaded_generator},
+            "global_rng_loaded": global_loaded,
+            "ema_is_weights": all(torch.equal(loaded_ema[n], loaded["model"][n]) for n in loaded_ema)}
 
 
 def dcp_reshard_load(fn: Callable, steps: int, layout: str, path: str) -> dict:
