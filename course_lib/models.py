@@ -75,10 +75,12 @@ def toy_batch(batch: int = 4, *, dim: int = 8, out: int = 5, seed: int = 1) -> t
 # single-process reference and each rank build the same weights.
 
 
-def make_mlp() -> nn.Sequential:
-    """Lesson 03's model: Linear(8, 16) -> ReLU -> Linear(16, 4), weights from seed 0."""
+def make_mlp(batch_norm: bool = False) -> nn.Sequential:
+    """Lesson 03's model: Linear(8, 16) -> ReLU -> Linear(16, 4), weights from seed 0. `batch_norm=True`
+    adds BatchNorm1d(16) after the first Linear: the same weights, plus 3 buffers (mean, variance, count)."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    norm = [nn.BatchNorm1d(16)] if batch_norm else []
+    return nn.Sequential(nn.Linear(8, 16), *norm, nn.ReLU(), nn.Linear(16, 4))
 
 
 def make_batches(rank: int, count: int, size: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
