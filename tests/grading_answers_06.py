@@ -112,3 +112,89 @@ CE_WHOLE_LOGITS = _replaced(
 # The hand-written backward of a sum, not of the mean over the rows.
 CE_BACKWARD_NOT_MEAN = _replaced(CE_SOLUTION, "return logits_grad * grad / softmax.shape[0], None",
                                  "return logits_grad * grad, None")
+
+# No autograd.Function: a masked lookup, then an in-place all-reduce that autograd takes for the identity. The
+# right numbers on every rank, but autograd wrote the backward the exercise asks the learner to write.
+EMBEDDING_NO_FUNCTION = '''import torch
+import torch.distributed as dist
+
+
+class VocabEmbedding(torch.nn.Module):
+    def __init__(self, embedding: torch.nn.Embedding):
+        super().__init__()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        per = embedding.num_embeddings // world
+        self.start = rank * per
+        self.weight = torch.nn.Parameter(embedding.weight.detach()[self.start:self.start + per].clone())
+
+    def forward(self, tokens):
+        mine = (tokens >= self.start) & (tokens < self.start + self.weight.shape[0])
+        local = torch.where(mine, tokens - self.start, 0)
+        rows = torch.nn.functional.embedding(local, self.weight) * mine.unsqueeze(-1)
+        dist.all_reduce(rows)
+        return rows
+'''
+
+# A Function around the all-reduce only (the lesson's g), the lookup left to autograd: the weight's gradient is
+# still autograd's (F.embedding's backward), not the learner's.
+EMBEDDING_FUNCTION_FOR_THE_SUM_ONLY = '''import torch
+import torch.distributed as dist
+
+
+class SumRanks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows):
+        rows = rows.clone()
+        dist.all_reduce(rows)
+        return rows
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class VocabEmbedding(torch.nn.Module):
+    def __init__(self, embedding: torch.nn.Embedding):
+        super().__init__()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        per = embedding.num_embeddings // world
+        self.start = rank * per
+        self.weight = torch.nn.Parameter(embedding.weight.detach()[self.start:self.start + per].clone())
+
+    def forward(self, tokens):
+        mine = (tokens >= self.start) & (tokens < self.start + self.weight.shape[0])
+        local = torch.where(mine, tokens - self.start, 0)
+        return SumRanks.apply(torch.nn.functional.embedding(local, self.weight) * mine.unsqueeze(-1))
+'''
+
+# No autograd.Function: the loss as a plain function, autograd differentiating through three in-place all-reduces.
+CE_NO_FUNCTION = '''import torch
+import torch.distributed as dist
+
+
+def vocab_parallel_cross_entropy(logits, targets):
+    per = logits.shape[-1]
+    start = dist.get_rank() * per
+    top = logits.detach().amax(dim=-1)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    shifted = logits - top.unsqueeze(-1)
+    sum_exp = shifted.exp().sum(dim=-1)
+    dist.all_reduce(sum_exp)
+    mine = (targets >= start) & (targets < start + per)
+    local = torch.where(mine, targets - start, 0)
+    picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine
+    dist.all_reduce(picked)
+    return (sum_exp.log() - picked).mean()
+'''
+
+# The hand-written backward ignores its incoming gradient: right only when the loss is backpropagated alone.
+CE_IGNORES_GRAD = _replaced(CE_SOLUTION, "return logits_grad * grad / softmax.shape[0], None",
+                            "return logits_grad / softmax.shape[0], None")
+
+# The sum of exponentials and the target's logit stacked into one all-reduce: right numbers, two all-reduces.
+CE_TWO_IN_ONE = _replaced(
+    _replaced(CE_SOLUTION, "        dist.all_reduce(sum_exp)                                 # the ranks' partial sums\n",
+              ""),
+    "        dist.all_reduce(picked)                                  # only the rank holding the target adds it\n",
+    "        both = torch.stack([sum_exp, picked])\n        dist.all_reduce(both)\n"
+    "        sum_exp, picked = both[0], both[1]\n")

@@ -173,7 +173,53 @@ WRONG = {
          "the whole logits must never exist on one rank"},
         ("the loss equals one process on every rank (2 ranks)",
          "each rank's columns of the logits' gradient equal one process (2 ranks)")),
+    "the embedding without an autograd.Function": (
+        EMBEDDING, "EMBEDDING_NO_FUNCTION",
+        {"each rank's rows of the weight's gradient equal one process (2 ranks)":
+         "did not come from a backward you wrote: autograd differentiated your code itself",
+         "each rank's rows of the weight's gradient equal one process (4 ranks)":
+         "one torch.autograd.Function with your own backward"},
+        ("output equals one process on every rank (2 ranks)",
+         "one all-reduce of the output's size in forward, none in backward (2 ranks)")),
+    "the embedding's Function around the all-reduce only": (
+        EMBEDDING, "EMBEDDING_FUNCTION_FOR_THE_SUM_ONLY",
+        {"each rank's rows of the weight's gradient equal one process (2 ranks)":
+         "(EmbeddingBackward0 reaches the weight)"},
+        ("output equals one process on every rank (2 ranks)",
+         "one all-reduce of the output's size in forward, none in backward (2 ranks)")),
+    "the loss without an autograd.Function": (
+        CE, "CE_NO_FUNCTION",
+        {"each rank's columns of the logits' gradient equal one process (2 ranks)":
+         "did not come from a backward you wrote: autograd differentiated your code itself",
+         "each rank's columns of the logits' gradient equal one process (4 ranks)":
+         "one torch.autograd.Function with your own backward, the logits passed into it"},
+        ("the loss equals one process on every rank (2 ranks)",
+         "three all-reduces in forward, none in backward, none carrying the whole logits (2 ranks)")),
+    "the loss's backward ignores its incoming gradient": (
+        CE, "CE_IGNORES_GRAD",
+        {"each rank's columns of the logits' gradient equal one process (2 ranks)":
+         "the gradient is off by the loss's incoming gradient: multiply by `grad`",
+         "each rank's columns of the logits' gradient equal one process (4 ranks)": "1.33 times too large"},
+        ("the loss equals one process on every rank (2 ranks)",
+         "three all-reduces in forward, none in backward, none carrying the whole logits (2 ranks)")),
+    "two quantities in one all-reduce": (
+        CE, "CE_TWO_IN_ONE",
+        {"three all-reduces in forward, none in backward, none carrying the whole logits (2 ranks)":
+         "forward all-reduced [24, 48] B, 2 numbers per row in one call",
+         "three all-reduces in forward, none in backward, none carrying the whole logits (4 ranks)":
+         "the exercise asks for three separate all-reduces"},
+        ("the loss equals one process on every rank (2 ranks)",
+         "each rank's columns of the logits' gradient equal one process (2 ranks)")),
 }
+
+
+def test_the_cross_entropy_statement_names_the_loss_scale_the_driver_backprops():
+    """A backward that ignores its incoming gradient must show: the driver backprops LOSS_SCALE x the loss, and
+    the exercise says so."""
+    from course_lib.grading.lessons.lesson06.drivers import LOSS_SCALE
+
+    assert LOSS_SCALE not in (1.0, 1 / 2, 1 / 4, 1 / 6)   # not a factor another hint names (ranks, rows)
+    assert f"backward of {LOSS_SCALE:g} × the returned loss" in exercise_sections("solutions", NOTEBOOK)[CE]
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from ...spec import RunOutcome
 from ..lesson04.common import ATOL, RTOL, draw_batch, draw_weights
 
 __all__ = ["ATOL", "MLP_DIM", "MLP_HIDDEN", "RTOL", "draw_batch", "draw_weights", "flows", "judge_each",
-           "mlp_weights", "not_a_module", "not_returned", "where"]
+           "mlp_weights", "not_a_module", "not_returned", "own_backward", "where"]
 
 MLP_DIM, MLP_HIDDEN = 8, 16  # hidden divides by 2 and 4
 
@@ -70,6 +70,19 @@ def mlp_weights(seed: int) -> dict:
         return torch.nn.Sequential(torch.nn.Linear(MLP_DIM, MLP_HIDDEN), torch.nn.GELU(),
                                    torch.nn.Linear(MLP_HIDDEN, MLP_DIM))
     return draw_weights(build, seed)
+
+
+def own_backward(result, at: str, what: str, into: str) -> list[str]:
+    """One line if the gradient of `what` was not computed by the learner's own autograd.Function (the driver's
+    "autograd": the node autograd differentiated itself, or "not an input"), [] if it was. The rule, the same in
+    both vocabulary exercises: one torch.autograd.Function whose backward the learner writes."""
+    reached = result.output.get("autograd")
+    if not reached:
+        return []
+    how = (f"{what} never went into a torch.autograd.Function of your cell" if reached == "not an input"
+           else f"autograd differentiated your code itself ({reached} reaches {what})")
+    return [f"{at}: the gradient of {what} did not come from a backward you wrote: {how}; the exercise asks for "
+            f"one torch.autograd.Function with your own backward, {into} passed into it"]
 
 
 def flows(result, span: list[float]) -> list[str]:

@@ -15,7 +15,7 @@ import torch
 
 from ...drivers import describe
 
-__all__ = ["mlp_from_weights", "sp_mlp", "vocab_cross_entropy", "vocab_embedding"]
+__all__ = ["LOSS_SCALE", "autograd_reached", "mlp_from_weights", "sp_mlp", "vocab_cross_entropy", "vocab_embedding"]
 
 
 def mlp_from_weights(weights: dict) -> torch.nn.Sequential:
@@ -28,6 +28,30 @@ def mlp_from_weights(weights: dict) -> torch.nn.Sequential:
 
 def _grad(t: torch.Tensor | None):
     return None if t is None else t.detach().cpu().clone()
+
+
+def autograd_reached(out, leaf: torch.Tensor, module: str) -> str | None:
+    """Whether `leaf`'s gradient is computed by the learner's own backward: None if, in the graph behind `out`,
+    every node that hands `leaf` its gradient is the backward of an autograd.Function defined in the learner's
+    module `module`; else the first other node that does (e.g. "EmbeddingBackward0": autograd differentiated the
+    learner's code itself), or "not an input" if no node hands it anything (it never went into a Function)."""
+    if not isinstance(out, torch.Tensor) or out.grad_fn is None:
+        return None                                      # no graph at all: the gradient check says None
+    own, seen, stack = False, set(), [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for child, _ in node.next_functions:
+            if getattr(child, "variable", None) is leaf:  # `node` computes the leaf's gradient
+                if isinstance(node, torch.autograd.function.BackwardCFunction) and \
+                        getattr(node._forward_cls, "__module__", None) == module:
+                    own = True
+                else:
+                    return type(node).__name__
+            stack.append(child)
+    return None if own else "not an input"
 
 
 def _timed(fn: Callable, module_or_fn, *args, backward_of: Callable = lambda out: out.sum()):
@@ -78,9 +102,11 @@ def vocab_embedding(fn: Callable, weight: torch.Tensor, tokens: torch.Tensor) ->
     out, forward, backward = _timed(fn, module, tokens.clone(), backward_of=lambda out: (out * ramp(out)).sum())
     if not isinstance(out, torch.Tensor):
         return {"returned": describe(out)}
+    weight = dict(module.named_parameters()).get("weight")
     return {"params": {n: list(p.shape) for n, p in module.named_parameters()}, "out": out.detach().cpu().clone(),
             "grads": {n: _grad(p.grad) for n, p in module.named_parameters()}, "forward": forward,
-            "backward": backward}
+            "backward": backward,
+            "autograd": None if weight is None else autograd_reached(out, weight, cls.__module__)}
 
 
 def ramp(out: torch.Tensor) -> torch.Tensor:
@@ -88,13 +114,20 @@ def ramp(out: torch.Tensor) -> torch.Tensor:
     return torch.arange(1, out.numel() + 1, dtype=out.dtype).reshape(out.shape) / 100
 
 
+LOSS_SCALE = 0.75  # the incoming gradient of the learner's loss: a backward that ignores it is off by this
+# factor, which is neither a rank count nor the row count (the other factors the judge names)
+
+
 def vocab_cross_entropy(fn: Callable, logits: torch.Tensor, targets: torch.Tensor) -> dict:
     """fn(logits, targets): `logits` this rank's columns of the vocabulary (requiring grad), `targets` the whole
-    targets (the same on every rank). Backward of the returned loss. Send back the loss, the logits' gradient
-    and when forward and backward ran."""
+    targets (the same on every rank). Backward of LOSS_SCALE * the returned loss (a scaled loss, as loss scaling
+    or a weighted sum of losses makes: the backward must multiply by its incoming gradient). Send back the loss,
+    the logits' gradient, whether that gradient came from the learner's Function and when forward and backward
+    ran."""
     x = logits.clone().requires_grad_()
-    loss, forward, backward = _timed(fn, inspect.unwrap(fn), x, targets.clone(), backward_of=lambda out: out)
+    inner = inspect.unwrap(fn)
+    loss, forward, backward = _timed(fn, inner, x, targets.clone(), backward_of=lambda out: LOSS_SCALE * out)
     if not isinstance(loss, torch.Tensor):
         return {"returned": describe(loss)}
     return {"loss": loss.detach().cpu().clone(), "logits.grad": _grad(x.grad), "forward": forward,
-            "backward": backward}
+            "backward": backward, "autograd": autograd_reached(loss, x, inner.__module__)}

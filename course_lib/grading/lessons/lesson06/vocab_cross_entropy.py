@@ -4,17 +4,21 @@ Each rank holds its columns of the logits; the loss needs the row's max (an all-
 the sum of exponentials (an all-reduce of each rank's partial sum) and the target's logit (masked on the
 ranks that do not hold it, then an all-reduce); backward, written by hand in the learner's autograd Function, is
 this rank's columns of (softmax - one-hot of the target) / rows, from what forward saved. Judged against one process's F.cross_entropy: the loss on every
-rank, each rank's columns of the logits' gradient, with one case of large logits (exp overflows float32
+rank, each rank's columns of the logits' gradient (of a scaled loss, so that a backward ignoring its incoming
+gradient shows; computed by the learner's own backward: the graph from the loss to the logits runs through their
+autograd.Function), with one case of large logits (exp overflows float32
 without the max); from the ledger, three all-reduces in forward, each of at most one number per row (the whole
 logits never exist on one rank), and none in backward. The usual mistakes are named: a local max, no max, a max
-summed instead of MAX'd, the target not masked, the backward summing again, the whole logits all-reduced.
+summed instead of MAX'd, the target not masked, the backward summing again or ignoring its incoming gradient,
+no autograd.Function (autograd through in-place all-reduces), two quantities in one all-reduce, the whole logits
+all-reduced.
 """
 
 from __future__ import annotations
 
 from ...compare import first_difference
 from ...spec import Exercise, Item, RunOutcome, RunSpec
-from .common import ATOL, RTOL, flows, judge_each, not_returned, where
+from .common import ATOL, RTOL, flows, judge_each, not_returned, own_backward, where
 
 __all__ = ["VOCAB_CROSS_ENTROPY"]
 
@@ -47,9 +51,11 @@ def _reference(outcome: RunOutcome, case: int) -> dict:
     import torch
 
     inputs = outcome.inputs[case]
+    from .drivers import LOSS_SCALE
+
     logits = torch.cat([inputs[r][0] for r in sorted(inputs)], dim=1).requires_grad_()
     loss = torch.nn.functional.cross_entropy(logits, inputs[0][1])
-    loss.backward()
+    (LOSS_SCALE * loss).backward()   # the driver backprops the same scaled loss
     return {"loss": loss.detach(), "grad": logits.grad}
 
 
@@ -92,15 +98,24 @@ def _loss(outcome: RunOutcome, case: int, rank: int, result) -> list[str]:
 def _grads(outcome: RunOutcome, case: int, rank: int, result) -> list[str]:
     import torch
 
+    from .drivers import LOSS_SCALE
+
     n = outcome.nproc
     at = where(rank, case, outcome)
+    rule = own_backward(result, at, "the logits", "the logits")
+    if rule:
+        return rule
     per = VOCAB // n
     want = _reference(outcome, case)["grad"][:, rank * per:(rank + 1) * per]
     got = result.output["logits.grad"]
     wrong = first_difference(got, want, rtol=RTOL, atol=ATOL, what=f"the logits on rank {rank}")
     if wrong:
         hint = ""
-        if isinstance(got, torch.Tensor) and torch.allclose(got, want * n, rtol=RTOL, atol=ATOL):
+        if isinstance(got, torch.Tensor) and torch.allclose(got, want / LOSS_SCALE, rtol=RTOL, atol=ATOL):
+            hint = (f": {1 / LOSS_SCALE:.3g} times too large: the checker backprops {LOSS_SCALE} × the loss, so "
+                    f"backward receives grad = {LOSS_SCALE}; the gradient is off by the loss's incoming gradient: "
+                    "multiply by `grad`")
+        elif isinstance(got, torch.Tensor) and torch.allclose(got, want * n, rtol=RTOL, atol=ATOL):
             hint = (f": {n} times too large: backward summed the ranks' gradients; every rank computes the same "
                     "loss, so each rank's columns already get their whole gradient")
         elif isinstance(got, torch.Tensor) and torch.allclose(got, want * ROWS, rtol=RTOL, atol=ATOL):
@@ -120,10 +135,16 @@ def _ledger(outcome: RunOutcome, case: int, rank: int, result) -> list[str]:
     start, stop = result.output["forward"]
     row = ROWS * result.output["loss"].element_size()
     sent = [e["bytes"] for e in result.ledger if start <= e["start"] <= stop]  # all-reduces only (allowed_ops)
+    whole = ROWS * VOCAB * result.output["loss"].element_size()
+    if any(b >= whole for b in sent):
+        return [f"{at}: forward all-reduced {sent} B, the whole logits' {whole} B in one call: the whole logits "
+                "must never exist on one rank; all-reduce only the row's max, its sum of exponentials and its "
+                "target logit"]
     if any(b > row for b in sent):
-        return [f"{at}: forward all-reduced {sent} B, more than {row} B (one number per row of {ROWS}) in one "
-                "call: the whole logits must never exist on one rank; all-reduce only the row's max, its sum of "
-                "exponentials and its target logit"]
+        return [f"{at}: forward all-reduced {sent} B, {max(sent) // row} numbers per row in one call (one number "
+                f"per row of {ROWS} is {row} B): several quantities shared one all-reduce; the exercise asks for "
+                "three separate all-reduces (the max, the sum of exponentials, the target's logit), one number "
+                "per row each"]
     forward, backward = (flows(result, result.output[phase]) for phase in ("forward", "backward"))
     if (forward, backward) != (["all_reduce"] * 3, []):
         return [f"{at}: forward called {forward or 'nothing'} and backward {backward or 'nothing'}, expected "

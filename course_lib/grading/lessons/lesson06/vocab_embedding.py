@@ -3,16 +3,18 @@
 Each rank holds its rows of the [vocab, dim] weight; a token outside them gives a zero row, and one all-reduce
 sums the ranks' rows into every token's embedding; backward, written by hand in the learner's autograd Function,
 adds each token's output gradient into the row it holds (no collective). Judged against one process: the
-output on every rank, each rank's rows of the weight's gradient; from the ledger, one all-reduce in forward (of
+output on every rank, each rank's rows of the weight's gradient, computed by the learner's own backward (the
+graph from the output to the weight runs through their autograd.Function); from the ledger, one all-reduce in forward (of
 the output's bytes, never the table's) and none in backward. The usual mistakes are named: tokens not masked (another rank's token read from this rank's
-rows), the all-reduce's backward summing again.
+rows), the all-reduce's backward summing again, no autograd.Function (autograd differentiating through
+an in-place all-reduce, which it takes for the identity).
 """
 
 from __future__ import annotations
 
 from ...compare import first_difference
 from ...spec import Exercise, Item, RunOutcome, RunSpec
-from .common import ATOL, RTOL, flows, judge_each, not_a_module, where
+from .common import ATOL, RTOL, flows, judge_each, not_a_module, own_backward, where
 
 __all__ = ["VOCAB_EMBEDDING"]
 
@@ -92,6 +94,9 @@ def _grads(outcome: RunOutcome, case: int, rank: int, result) -> list[str]:
 
     n = outcome.nproc
     weight, tokens = outcome.inputs[case][rank]
+    rule = own_backward(result, where(rank, case, outcome), "the weight", "the weight")
+    if rule:
+        return rule
     want = _reference(weight, tokens)["weight"][_rows(rank, n)]
     got = result.output["grads"]["weight"]
     wrong = first_difference(got, want, rtol=RTOL, atol=ATOL, what=f"weight on rank {rank}")
