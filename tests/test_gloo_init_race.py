@@ -78,14 +78,16 @@ def test_a_starved_rank_fails_in_gloos_init_without_the_barrier_and_never_with_i
                     "(if this holds on later torch versions, the workaround may go)")
 
 
-def test_every_launch_the_course_makes_turns_the_barrier_on(monkeypatch):
+def test_every_gloo_launch_the_course_makes_turns_the_barrier_on_and_no_nccl_launch(monkeypatch):
     from course_lib.backend_choice import choose_backend
     from course_lib.launcher.torchrun import _child_env
 
-    def launched_env() -> dict[str, str]:
-        return _child_env(choose_backend(1, "gloo"), pathlib.Path(tempfile.gettempdir()), "mark")
+    def launched_env(backend: str = "gloo") -> dict[str, str]:
+        choice = choose_backend(1, backend, gpus=1 if backend == "nccl" else 0)
+        return _child_env(choice, pathlib.Path(tempfile.gettempdir()), "mark")
 
     monkeypatch.delenv(INIT_BARRIER_ENV, raising=False)
     assert launched_env()[INIT_BARRIER_ENV] == "1"
+    assert INIT_BARRIER_ENV not in launched_env("nccl")  # NCCL's init keeps not waiting (lesson 01, section 2)
     monkeypatch.setenv(INIT_BARRIER_ENV, "0")  # someone who turned it off on purpose keeps their choice
     assert launched_env()[INIT_BARRIER_ENV] == "0"

@@ -1,4 +1,4 @@
-"""Every rank the course starts waits at torch's init barrier: gloo's start loses a slow rank otherwise.
+"""Every gloo rank the course starts waits at torch's init barrier: gloo's start loses a slow rank otherwise.
 
 Upstream race (seen on torch 2.13 and 2.15, gloo's TCP transport): `init_process_group` returns on a
 rank as soon as its own side of the full mesh is connected. A rank whose peers are all connected can
@@ -12,7 +12,9 @@ it happened in 3 of 40 four-rank starts on torch 2.13 and 8 of 60 on 2.15; lesso
 store-based barrier after its process group is built, so no rank leaves before all are connected: 0 of
 150 starts failed with it. It is a store round trip, not a collective: ledgers do not change.
 tests/test_gloo_init_race.py reproduces the race without it and checks the barrier holds.
-A learner's own `torchrun` (launch/) runs without it; a script that calls any collective is not exposed.
+Only gloo launches (and the grader's ranks, gloo always) turn it on: on NCCL it would make init wait for
+every rank, which lesson 01 says NCCL without a bound device does not. A learner's own `torchrun`
+(launch/) runs without it; a script that calls any collective before it exits is not exposed.
 """
 
 from __future__ import annotations

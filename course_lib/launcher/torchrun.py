@@ -117,7 +117,8 @@ def _child_env(choice: BackendChoice, results_dir: pathlib.Path, mark: str) -> d
     env[ENV_LAUNCH_MARK] = mark  # inherited by every process of this launch: see processes.py
     env.setdefault("OMP_NUM_THREADS", "1")  # also silences torchrun's 4-line warning
     env["PYTHONUNBUFFERED"] = "1"  # lines reach the log files (and the live view) at once
-    with_init_barrier(env)  # no rank leaves init before all are connected (gloo_init_race.py)
+    if choice.backend == "gloo":
+        with_init_barrier(env)  # no rank leaves init before all are connected (gloo_init_race.py)
     env[ENV_BACKEND] = choice.backend
     if choice.requested == "gloo":
         # A cell that asks for gloo keeps its tensors on the CPU on purpose, on a GPU node too:
