@@ -87,11 +87,7 @@ def _cases(n: int, cap: int, seed: int) -> list[dict[int, tuple]]:
         targets = torch.randn(rows, LAYERS[-1][1], generator=generator)
         case = {}
         for r in range(n):
-            steps = [(inputs[(s * n + r) * ROWS:(s * n + r + 1) * ROWS], targets[(s * n + r) * ROWS:(s * n + r + 1) * ROWS])
-                     for s in range(STEPS)]
-            base = STEPS * n * ROWS
-            micro = [(inputs[base + (2 * r + i) * MICRO_ROWS:base + (2 * r + i + 1) * MICRO_ROWS],
-                      targets[base + (2 * r + i) * MICRO_ROWS:base + (2 * r + i + 1) * MICRO_ROWS]) for i in range(2)]
+            steps, micro = _rank_batches(inputs, targets, n, r)
             case[r] = (_weights(seed + 1 + r if different else seed), cap, steps, micro, LR)
         cases.append(case)
     return cases
@@ -152,13 +148,19 @@ def _shared_cases(n: int, cap: int, seed: int) -> list[dict[int, tuple]]:
     targets = torch.randn(rows, layers[-1][1], generator=generator)
     weights, case = _weights(seed, layers), {}
     for r in range(n):
-        steps = [(inputs[(s * n + r) * ROWS:(s * n + r + 1) * ROWS], targets[(s * n + r) * ROWS:(s * n + r + 1) * ROWS])
-                 for s in range(STEPS)]
-        base = STEPS * n * ROWS
-        micro = [(inputs[base + (2 * r + i) * MICRO_ROWS:base + (2 * r + i + 1) * MICRO_ROWS],
-                  targets[base + (2 * r + i) * MICRO_ROWS:base + (2 * r + i + 1) * MICRO_ROWS]) for i in range(2)]
+        steps, micro = _rank_batches(inputs, targets, n, r)
         case[r] = (weights, cap, steps, micro, LR, list(SHARED["frozen"]), [list(pair) for pair in SHARED["tied"]])
     return [case]
+
+
+def _rank_batches(inputs, targets, n: int, r: int) -> tuple[list, list]:
+    """Rank r's rows: STEPS batches of ROWS (rank-interleaved per step), then its 2 micro-batches after them."""
+    steps = [(inputs[(s * n + r) * ROWS:(s * n + r + 1) * ROWS], targets[(s * n + r) * ROWS:(s * n + r + 1) * ROWS])
+             for s in range(STEPS)]
+    base = STEPS * n * ROWS
+    micro = [(inputs[base + (2 * r + i) * MICRO_ROWS:base + (2 * r + i + 1) * MICRO_ROWS],
+              targets[base + (2 * r + i) * MICRO_ROWS:base + (2 * r + i + 1) * MICRO_ROWS]) for i in range(2)]
+    return steps, micro
 
 
 def _all_reduces(result, start: float, end: float) -> list[dict]:
