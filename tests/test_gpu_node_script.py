@@ -84,3 +84,9 @@ def test_the_dry_run_runs_every_kind_of_step_on_gloo_and_writes_an_entry(tmp_pat
         assert step["rc"] == 0, (name, step, (tmp_path / f"{name}.log").read_text()[-2000:])
     assert str(tmp_path) not in json.dumps(entry)
     assert record_table.rows(entry)[0].count("|") == 4
+
+
+def test_the_script_names_the_shared_gpu_switch_as_course_lib_reads_it():
+    from course_lib.backend_choice import ENV_GLOO_ON_SHARED_GPU
+
+    assert steps.ENV_GLOO_ON_SHARED_GPU == ENV_GLOO_ON_SHARED_GPU

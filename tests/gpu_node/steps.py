@@ -15,8 +15,9 @@ import dataclasses
 import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
-from course_lib.backend_choice import ENV_GLOO_ON_SHARED_GPU  # noqa: E402
+# course_lib.backend_choice's name for it, spelled here so the script needs no import from the checkout
+# (tests/test_gpu_node_script.py checks that the two agree).
+ENV_GLOO_ON_SHARED_GPU = "COURSE_GLOO_ON_SHARED_GPU"
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
