@@ -339,9 +339,9 @@ def _reshard_load_on_own_disk(fn, steps, layout, path, rank0_disk, get_state_dic
 
     objects, unpickle = [], c10d._tensor_to_object
 
-    def measured(tensor, size, group):
+    def measured(tensor, size, *rest, **named):  # torch 2.15 passes one argument more than 2.13
         objects.append(int(size))
-        return unpickle(tensor, size, group)
+        return unpickle(tensor, size, *rest, **named)
 
     read: list = []
     restore = _watch_rank0_disk(rank0_disk, read) if rank else (lambda: None)
