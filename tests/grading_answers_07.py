@@ -146,6 +146,41 @@ def load_resharded(model, optimizer, path):
                    options=StateDictOptions(full_state_dict=True))
 '''
 
+# Every rank loads the file itself (the name broadcast from rank 0): the file lies on rank 0's disk only, and
+# every rank would hold the whole state at once.
+RESHARD_EVERY_RANK_READS = '''%%exercise 07.reshard_load
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+
+def load_resharded(model, optimizer, path):
+    box = [path]
+    dist.broadcast_object_list(box, src=0)
+    saved = torch.load(box[0], weights_only=True)
+    set_state_dict(model, optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optim"],
+                   options=StateDictOptions(full_state_dict=True))
+'''
+
+# The lesson's section 9 route: rank 0 converts the file to a DCP folder, every rank dcp.loads its pieces from
+# it. Right on a shared disk; here the folder is on rank 0's disk, which the other ranks cannot read.
+RESHARD_CONVERTED_BY_RANK0 = '''%%exercise 07.reshard_load
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+
+def load_resharded(model, optimizer, path):
+    if path is not None:
+        torch_save_to_dcp(path, "converted")
+    dist.barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id="converted")
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+'''
+
 CRASH_SOLUTION = '''%%exercise 07.crash_safe_save
 import os
 import shutil
@@ -237,3 +272,9 @@ CRASH_PRUNE_FIRST = CRASH_SOLUTION.replace('''    name = f"step_{step}"
     dist.barrier()
     dcp.save(''').replace("        prune(root, keep, name)\n", "")
 assert CRASH_PRUNE_FIRST != CRASH_SOLUTION
+
+# LATEST holds the path passed to dcp.save ("checkpoints/step_10"), not the folder's name under root: a restart
+# reads it relative to root and finds nothing; the pruning itself is right.
+CRASH_LATEST_WITH_ROOT = CRASH_SOLUTION.replace("            handle.write(name)\n",
+                                                "            handle.write(os.path.join(root, name))\n")
+assert CRASH_LATEST_WITH_ROOT != CRASH_SOLUTION

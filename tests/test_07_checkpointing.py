@@ -82,7 +82,8 @@ def test_stub_scores_zero_and_says_what_to_write_once(exercise_id, ranks):
 RESUMED = "a new run loaded from the checkpoint reproduces the uninterrupted losses and EMA, bit for bit (2 ranks)"
 RESHARD_PARAMS_2 = "one process -> FSDP2: the parameters equal one process after 2 steps (2 ranks)"
 RESHARD_OPTIM_2 = "one process -> FSDP2: Adam's moments, step counts and lr equal one process's (2 ranks)"
-RESHARD_PIECES_2 = "one process -> FSDP2: rank 1 never receives half the checkpoint or more at once (2 ranks)"
+RESHARD_PIECES_2 = ("one process -> FSDP2: rank 1 reads nothing on rank 0's disk and never receives half the "
+                    "checkpoint or more at once (2 ranks)")
 RESHARD_PARAMS_4 = "one process -> HSDP (2, 2): the parameters equal one process after 2 steps (4 ranks)"
 RESHARD_OPTIM_4 = "one process -> HSDP (2, 2): Adam's moments, step counts and lr equal one process's (4 ranks)"
 OWN_FOLDER = "after each save, LATEST names a checkpoint of its own and was replaced in one step (2 ranks)"
@@ -133,6 +134,16 @@ WRONG = [
         RESHARD_PIECES_2: ("rank 1, loaded on 2 ranks over a mesh of 2 (FSDP2): it received",
                            "in one object from an object collective", "it held the whole state at once"),
     }, id="reshard-whole-file-broadcast-to-every-rank"),
+    # Every rank torch.loads the file by the name rank 0 broadcast: it lies on rank 0's disk only.
+    pytest.param(RESHARD, answers.RESHARD_EVERY_RANK_READS, {
+        RESHARD_PIECES_2: ("rank 1, loaded on 2 ranks over a mesh of 2 (FSDP2): it opened 'one_process.pt', the "
+                           "checkpoint file, which lies on rank 0's disk only",),
+    }, id="reshard-every-rank-reads-the-file"),
+    # Section 9's route: rank 0 converts to a DCP folder on its own disk, which the other ranks cannot read.
+    pytest.param(RESHARD, answers.RESHARD_CONVERTED_BY_RANK0, {
+        RESHARD_PIECES_2: ("rank 1, loaded on 2 ranks over a mesh of 2 (FSDP2): it read ['converted/.metadata'",
+                           "which rank 0 wrote on its own disk", "torch_save_to_dcp"),
+    }, id="reshard-rank-0-converts-to-dcp-on-its-own-disk"),
     pytest.param(CRASH, answers.CRASH_IN_PLACE, {
         OWN_FOLDER: ("after the save of step 9, LATEST is the same file as after the save before, rewritten in place",
                      "os.replace"),
@@ -158,6 +169,12 @@ WRONG = [
         KEEPS: ("after the save of step 12", "['step_11'] has no .metadata (the failed save's) and was counted",
                 "so ['step_10'] was deleted"),
     }, id="crash-incomplete-folder-counted"),
+    # LATEST names the folder with root in front: nothing under root has that name; the pruning is right.
+    pytest.param(CRASH, answers.CRASH_LATEST_WITH_ROOT, {
+        OWN_FOLDER: ("after the save of step 8, LATEST holds 'checkpoints/step_8', and checkpoints/checkpoints/step_8 "
+                     "is no folder", "relative to root", "('step_8', not the path you passed to dcp.save)"),
+        SURVIVES: ("after the failed save, a restart finds no checkpoint: LATEST holds 'checkpoints/step_10'",),
+    }, id="crash-latest-holds-the-root-too"),
     pytest.param(CRASH, answers.CRASH_PRUNE_FIRST, {
         SURVIVES: ("after the failed save of step 11, ['step_9']",
                    "a save may delete old checkpoints only once it is complete itself"),

@@ -84,8 +84,7 @@ PREDICTIONS: dict[str, Prediction] = {
                      "with the fewest bytes planned so far (the lowest rank on a tie). Rank 0's model shards come "
                      "before any counter in its state dict (Adam's moments follow each counter), so when the first counter comes rank 0 already has kilobytes planned and "
                      "ranks 1-3 none: the counter goes to rank 1 (4 bytes), the next to rank 2, then rank 3, then "
-                     "rank 1 again: 12 counters, 4 each, none in rank 0's file. Every rank then reads files it "
-                     "holds no shard of, if only for a few bytes (section 7)."),
+                     "rank 1 again: 12 counters, 4 each, none in rank 0's file."),
         unit="counters",
     ),
     "07.files_read": Prediction(

@@ -30,10 +30,29 @@ CRASH_HINTS = (
 GOOD = (*GOOD_SAVES, LAST_SAVE)
 
 
-def _expected(out: dict, step: int) -> list[str]:
+def _relative(name: str, root: str) -> str:
+    """What LATEST names, relative to root: a name that repeats root's path (item 1 fails it) still tells item 2
+    which folder that save wrote."""
+    prefix = root.rstrip("/") + "/"
+    return name[len(prefix):] if name.startswith(prefix) else name
+
+
+def _expected(out: dict, step: int, root: str) -> list[str]:
     """The newest KEEP good saves up to `step`: the folders LATEST named after each."""
     steps = [s for s in GOOD if s <= step]
-    return sorted({out["named"][s] for s in steps[-KEEP:]})
+    return sorted({_relative(out["named"][s], root) for s in steps[-KEEP:]})
+
+
+def _not_under_root(out: dict, step: int, root: str) -> str:
+    """Why LATEST's name is no folder under root, in words ("" if it is one)."""
+    if out["under_root"].get(step, True):
+        return ""
+    named = out["named"][step]
+    said = (f"LATEST holds {named!r}, and {root}/{named} is no folder: a restart reads LATEST relative to root, "
+            "so it must name the folder as seen from root")
+    if _relative(named, root) != named:
+        said += f" ({_relative(named, root)!r}, not the path you passed to dcp.save)"
+    return said
 
 
 def _own_folder_replaced(outcome: RunOutcome) -> list[str]:
@@ -43,6 +62,11 @@ def _own_folder_replaced(outcome: RunOutcome) -> list[str]:
             if out["named"].get(step) is None:
                 return [f"rank {rank}: after the save of step {step} returned on every rank, root/LATEST does not "
                         "exist; it must name the folder (under root) of the newest complete checkpoint"]
+        root = outcome.inputs[case][rank][0]
+        for step in GOOD:
+            wrong = _not_under_root(out, step, root)
+            if wrong:
+                return [f"rank {rank}: after the save of step {step}, {wrong}"]
         names = [out["named"][s] for s in GOOD]
         if len(set(names)) < len(names):
             return [f"rank {rank}: the saves of steps {', '.join(map(str, GOOD))} went to {names}: a later save "
@@ -61,15 +85,16 @@ def _keeps_newest_complete(outcome: RunOutcome) -> list[str]:
         out = result.output
         if out["last_error"]:
             return [f"rank {rank}: the save of step {LAST_SAVE}, after the failed one, raised: {out['last_error']}"]
+        root = outcome.inputs[case][rank][0]
         for step in GOOD:
-            held, want = out["folders"][step], _expected(out, step)
+            held, want = out["folders"][step], _expected(out, step, root)
             if sorted(held) == want:
                 continue
             gone = [name for name in want if name not in held]
             extra = sorted(name for name in held if name not in want)
             said = (f"rank {rank}: after the save of step {step} (keep={KEEP}), root holds {sorted(held)}, "
                     f"expected the newest {KEEP} complete checkpoints {want}")
-            if out["named"][step] in gone:
+            if _relative(out["named"][step], root) in gone:
                 return [f"{said}: the folder LATEST names was deleted; order the folders by their step number, "
                         "not by their name (as text 'step_10' < 'step_9')"]
             if gone and any(not held[name] for name in extra):
@@ -100,10 +125,14 @@ def _previous_survives(outcome: RunOutcome) -> list[str]:
                     f"step {last_good}'s {out['named'][last_good]!r}: LATEST was written before the save had "
                     "finished on every rank"
                     + (f"; loading it fails ({out['load_error']})" if out["load_error"] else "")]
+        root = outcome.inputs[case][rank][0]
+        if _not_under_root(out, FAILED_SAVE, root):
+            return [f"{where}: after the failed save, a restart finds no checkpoint: "
+                    f"{_not_under_root(out, FAILED_SAVE, root)}"]
         if out["load_error"]:
             return [f"{where}: after the failed save, loading {named!r} (what LATEST names) fails: "
                     f"{out['load_error']}"]
-        kept = [n for n in _expected(out, last_good) if not out["folders"][FAILED_SAVE].get(n)]
+        kept = [n for n in _expected(out, last_good, root) if not out["folders"][FAILED_SAVE].get(n)]
         if kept:
             return [f"{where}: after the failed save of step {FAILED_SAVE}, {kept} (among the newest {KEEP} "
                     "complete checkpoints before it) is gone or incomplete: a save may delete old checkpoints "

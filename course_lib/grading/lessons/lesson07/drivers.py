@@ -2,7 +2,8 @@
 
 Runs on the ranks, in the learner's process (see course_lib/grading/drivers.py for the rules every driver
 follows: copy the inputs, return plain data). Every run's ranks share one working directory (the run's
-`work` folder), so a checkpoint folder named here is the same folder on every rank.
+`work` folder), so a checkpoint folder named here is the same folder on every rank; except 07.reshard_load's,
+where each rank works in a folder of its own, as on a node's local disk.
 
 The training run is lesson 07's (notebooks/07_checkpointing.ipynb, section 1): lessons 04-05's model,
 Adam, 16 rows walked in the order a `DistributedSampler` shuffles each epoch, noise from the global RNG.
@@ -261,16 +262,61 @@ def dcp_app_state(fn: Callable, stop_at: int, total: int, folder: str) -> dict:
             "ema_is_weights": all(torch.equal(loaded_ema[n], loaded["model"][n]) for n in loaded_ema)}
 
 
+def _watch_rank0_disk(rank0_disk: str, read: list) -> Callable[[], None]:
+    """On a rank other than 0: every open for reading of a file on rank 0's disk (its own folder) is recorded in
+    `read`, and a relative name this rank's folder lacks but rank 0's holds is opened there, so that the run
+    goes on and the judge can name the read. Wraps builtins.open (torch.load) and io.open (pathlib: DCP's
+    readers). Returns the function that puts both back."""
+    import builtins
+    import io
+
+    original = builtins.open
+    disk = os.path.realpath(rank0_disk)
+
+    def watched(file, mode="r", *args, **kwargs):
+        if isinstance(file, (str, bytes, os.PathLike)) and not any(c in mode for c in "wax+"):
+            name = os.fsdecode(file)
+            full = os.path.realpath(name)
+            if full.startswith(disk + os.sep):
+                read.append(os.path.relpath(full, disk))
+            elif not os.path.isabs(name) and not os.path.exists(full) and os.path.exists(os.path.join(disk, name)):
+                read.append(os.path.normpath(name))
+                file = os.path.join(disk, name)
+        return original(file, mode, *args, **kwargs)
+
+    builtins.open = io.open = watched
+
+    def restore() -> None:
+        builtins.open = io.open = original
+
+    return restore
+
+
 def dcp_reshard_load(fn: Callable, steps: int, layout: str, path: str) -> dict:
-    """07.reshard_load: rank 0 trains one process's run (a plain model, no mesh) `steps` Adam steps and
-    writes torch.save({"model": ..., "optim": ...}, path), the two dicts get_state_dict gives one process
+    """07.reshard_load: every rank works in a folder of its own (its "disk": `disk_rank<r>` in the run's
+    folder); rank 0 trains one process's run (a plain model, no mesh) `steps` Adam steps and writes
+    torch.save({"model": ..., "optim": ...}, path) on its disk, the two dicts get_state_dict gives one process
     (whole tensors keyed by parameter name); then every rank builds a fresh FSDP2 model and Adam at another
     lr in `layout` ("shards": a 1-D mesh over all ranks; "halves": a 2-D mesh (2, N/2), HSDP, each rank
     holding half of the rows) and calls fn(model, optimizer, path on rank 0, None on the others: the file
-    lies on rank 0's disk only). Send back the loaded model and Adam state."""
+    lies on rank 0's disk only). Send back the loaded model and Adam state, the sizes of the objects this rank
+    unpickled, and what it read of rank 0's disk."""
     import torch.distributed.checkpoint  # noqa: F401 - state_dict's import needs the package first
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    rank = _dist().get_rank()
+    run_folder = os.getcwd()
+    disk = os.path.join(run_folder, f"disk_rank{rank}")
+    os.makedirs(disk, exist_ok=True)
+    os.chdir(disk)  # what this rank writes, rank 0's file among it, the other ranks cannot see
+    try:
+        return _reshard_load_on_own_disk(fn, steps, layout, path, os.path.join(run_folder, "disk_rank0"),
+                                         get_state_dict)
+    finally:
+        os.chdir(run_folder)
+
+
+def _reshard_load_on_own_disk(fn, steps, layout, path, rank0_disk, get_state_dict) -> dict:
     dist = _dist()
     world, rank = dist.get_world_size(), dist.get_rank()
     if rank == 0:
@@ -293,21 +339,25 @@ def dcp_reshard_load(fn: Callable, steps: int, layout: str, path: str) -> dict:
 
     objects, unpickle = [], c10d._tensor_to_object
 
-    def measured(tensor, size, group):
+    def measured(tensor, size, *rest, **named):  # torch 2.15 passes one argument more than 2.13
         objects.append(int(size))
-        return unpickle(tensor, size, group)
+        return unpickle(tensor, size, *rest, **named)
 
+    read: list = []
+    restore = _watch_rank0_disk(rank0_disk, read) if rank else (lambda: None)
     c10d._tensor_to_object = measured
     try:
         result = fn(target.model, target.optimizer, path if rank == 0 else None)
     finally:
         c10d._tensor_to_object = unpickle
+        restore()
     # A rank back while another still waits in the load: this barrier (recorded, unlike full_tensor's gathers)
     # lets a deadline's diagnosis say that this rank left the load and the other did not.
     dist.barrier()
     loaded = full_state(target.model, target.optimizer)
     loaded["lr"] = target.optimizer.param_groups[0]["lr"]
-    return {"returned": None if result is None else type(result).__name__, "loaded": loaded, "objects": objects}
+    return {"returned": None if result is None else type(result).__name__, "loaded": loaded, "objects": objects,
+            "read": sorted(set(read))}
 
 
 class _DiesAfterWriting(Exception):
@@ -338,7 +388,7 @@ def dcp_crash_safe_save(fn: Callable, root: str, keep: int) -> dict:
     dist = _dist()
     mesh = _mesh((dist.get_world_size(),))
     run = new_run(mesh)
-    named, folders, replaced = {}, {}, {}
+    named, folders, replaced, under_root = {}, {}, {}, {}
     # LATEST as each save left it, held open: os.replace installs a new file, open(path, "w") rewrites the same
     # one. An open file's inode cannot be handed to another file (ext4 reuses a freed one at once), so
     # os.path.samestat against the previous save's tells the two apart.
@@ -355,6 +405,7 @@ def dcp_crash_safe_save(fn: Callable, root: str, keep: int) -> dict:
                 replaced[step] = not os.path.samestat(os.fstat(opened[-1].fileno()), os.fstat(handle.fileno()))
             opened.append(handle)
             named[step] = handle.read().strip()
+            under_root[step] = os.path.isdir(os.path.join(root, named[step]))  # relative to root, as a restart reads it
         dist.barrier()  # every rank has looked before the next save changes anything
 
     def save(step: int) -> None:
@@ -406,5 +457,6 @@ def dcp_crash_safe_save(fn: Callable, root: str, keep: int) -> dict:
         last_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
     for handle in opened:
         handle.close()
-    return {"named": named, "raised": raised, "replaced": replaced, "folders": folders, "load_error": load_error,
+    return {"named": named, "raised": raised, "replaced": replaced, "folders": folders, "under_root": under_root,
+            "load_error": load_error,
             "last_error": last_error, "loaded": loaded, "after_good": after_good, "after_failed": after_failed}
