@@ -227,7 +227,7 @@ def test_rows_and_figure_show_what_was_simulated(simulated):
 def test_failures_are_one_line_errors():
     with pytest.raises(ValueError):
         simulate_fsdp2(TINY, world_size=2, precision="fp8")
-    with pytest.raises(SimulationError, match=r"did not finish within 0.5 s") as deadline:
+    with pytest.raises(SimulationError, match=r"no configuration finished within 0.5 s") as deadline:
         simulate_fsdp2("llama-70b", world_size=8, timeout_s=0.5)
     assert "\n" not in str(deadline.value)
     with pytest.raises(SimulationError, match=r"simulation failed \(exit 1\): .*Error") as failed:

@@ -145,10 +145,12 @@ def _one_line_error(returncode: int, stderr: str) -> str:
     return f"simulation failed (exit {returncode}): {errors[-1] if errors else 'no output'}"
 
 
-def _follow_progress(procs: list, progress_files: list[pathlib.Path], total: int, deadline: float,
-                     on_progress: ProgressCallback) -> None:
-    """Until every worker has exited (or the deadline), call `on_progress` once per job a worker finishes."""
+def _follow_progress(procs: list, progress_files: list[pathlib.Path], total: int, timeout_s: float,
+                     on_progress: ProgressCallback | None) -> bool:
+    """Until every worker has exited, call `on_progress` once per job a worker finishes; False (and return at
+    once) when `timeout_s` pass without one finishing: a loaded machine's slow run keeps going, a hang stops."""
     seen = [0] * len(progress_files)  # lines already reported, per worker
+    deadline = time.monotonic() + timeout_s
     while True:
         running = any(proc.poll() is None for proc, _, _ in procs)
         for index, path in enumerate(progress_files):
@@ -156,18 +158,23 @@ def _follow_progress(procs: list, progress_files: list[pathlib.Path], total: int
                      if line.endswith("}")]  # a line being written is not counted yet
             for line in lines[seen[index]:]:
                 seen[index] += 1
-                job = json.loads(line)
-                on_progress(sum(seen), total, f"{job['model']} on {job['world_size']} ranks")
-        if not running or time.monotonic() > deadline:
-            return
+                deadline = time.monotonic() + timeout_s
+                if on_progress is not None:
+                    job = json.loads(line)
+                    on_progress(sum(seen), total, f"{job['model']} on {job['world_size']} ranks")
+        if not running:
+            return True
+        if time.monotonic() > deadline:
+            return False
         time.sleep(0.25)
 
 
 def _run_workers(batches: list[list[dict]], timeout_s: float,
                  on_progress: ProgressCallback | None = None) -> list[list[dict]]:
-    """Each batch in its own fresh `python -m course_lib.measure.simulate_worker`, all at once, under one deadline.
+    """Each batch in its own fresh `python -m course_lib.measure.simulate_worker`, all at once.
 
-    Any failure, the deadline or a Ctrl-C stops every worker; a failure becomes a one-line error.
+    Any failure, `timeout_s` without a job finishing, or a Ctrl-C stops every worker; a failure becomes a
+    one-line error.
     `on_progress(done, total, what)` is called as each job ends, in the order they end.
     """
     procs, files = [], []
@@ -183,15 +190,10 @@ def _run_workers(batches: list[list[dict]], timeout_s: float,
             procs.append((subprocess.Popen([sys.executable, "-m", simulate_worker.__name__], stdin=stdin,
                                            stdout=stdout, stderr=stderr, env=env, text=True),
                           stdout, stderr))
-        deadline = time.monotonic() + timeout_s
-        if on_progress is not None:
-            _follow_progress(procs, progress_files, sum(len(b) for b in batches), deadline, on_progress)
+        if not _follow_progress(procs, progress_files, sum(len(b) for b in batches), timeout_s, on_progress):
+            raise SimulationError(f"no configuration finished within {timeout_s:g} s (stopped)")
         outputs = []
-        for proc, stdout, stderr in procs:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise SimulationError(f"simulation did not finish within {timeout_s:g} s (stopped)") from None
+        for proc, stdout, stderr in procs:  # every worker has exited
             stdout.seek(0)
             stderr.seek(0)
             lines = [line for line in stdout.read().splitlines() if line.startswith(RESULT_MARK)]
