@@ -95,6 +95,16 @@ APP_EMA_AS_IS = (APP_SOLUTION.replace(EMA_SAVED, '        state["ema"] = self.ru
                  .replace(EMA_SET, ""))
 assert APP_EMA_AS_IS != APP_SOLUTION
 
+# The EMA saved on rank 0 alone, but the new launch's rank 0 (which has none) hands dcp.load a None to fill.
+APP_EMA_NOTHING_TO_FILL = APP_SOLUTION.replace('''            if ema is None:
+                ema = {n: torch.empty(p.shape) for n, p in self.run.model.named_parameters()}
+''', "")
+assert APP_EMA_NOTHING_TO_FILL != APP_SOLUTION
+
+# DTensor buffers like the parameters (empty_like): dcp.load reshards the whole shadows into rank 0's DTensors.
+APP_EMA_DTENSOR_BUFFERS = APP_SOLUTION.replace("torch.empty(p.shape)", "torch.empty_like(p)")
+assert APP_EMA_DTENSOR_BUFFERS != APP_SOLUTION
+
 # "Every rank must pass the same names": rank 1 saves zeros in the EMA's shapes under the same names. DCP takes
 # them for replicas of rank 0's and writes some shadows from rank 1's copy.
 APP_EMA_PLACEHOLDER = APP_SOLUTION.replace('''        if dist.get_rank() == 0:

@@ -122,6 +122,14 @@ WRONG = [
         RESUMED: ("rank 0,", "run.ema is still None after the load, although the checkpoint holds the shadows",
                   "rank 0 handed dcp.load no tensors of the EMA's to fill"),
     }, id="app-state-ema-under-one-name-on-every-rank"),
+    # Saved on rank 0 alone, but nothing to fill in the new launch: DCP's planner names the missing entry.
+    pytest.param(APP, answers.APP_EMA_NOTHING_TO_FILL, {
+        RESUMED: ("rank 0,", "dcp.load raised", "Missing key in checkpoint state_dict: app.ema",
+                  "an entry the saved run's did not"),
+    }, id="app-state-ema-nothing-to-fill"),
+    pytest.param(APP, answers.APP_EMA_DTENSOR_BUFFERS, {
+        RESUMED: ("rank 0,", "run.ema holds DTensors after the load"),
+    }, id="app-state-ema-dtensor-buffers"),
     # Rank 1 saves zeros under the EMA's names: DCP takes them for replicas and writes some of rank 1's.
     pytest.param(APP, answers.APP_EMA_PLACEHOLDER, {
         RESUMED: ("rank 0,", "holds values rank 0 never saved: rank 1 wrote whole tensors", "another rank saved a tensor under the same name",

@@ -95,6 +95,16 @@ def _resumed_exactly(outcome: RunOutcome) -> list[str]:
         stop_at, total, _ = outcome.inputs[case][0]
         out = result.output
         place = where(outcome, case, rank)
+        failed = [(r, res.output["load_error"]) for r, res in sorted(outcome.results[case].items())
+                  if res.output["load_error"]]
+        if failed:
+            bad, error = failed[0]
+            why = ""
+            if "Missing key in checkpoint" in error:
+                why = (": the new launch's state_dict() holds an entry the saved run's did not (a None where the "
+                       "saved run had a dict of tensors, as rank 0's run.ema in a new launch, is an entry of its "
+                       "own); dcp.load fills only what was saved, into tensors of the saved shapes")
+            return [f"{where(outcome, case, bad)}: dcp.load raised {error}{why}"]
         if out["resumed_at"] != stop_at:
             return [f"{place}: the resumed run starts at step {out['resumed_at']}, expected {stop_at}: "
                     "run.step was not restored"]

@@ -280,7 +280,16 @@ def dcp_app_state(fn: Callable, stop_at: int, total: int, folder: str) -> dict:
     # A new process: another model state, generators and global RNG elsewhere, step 0, another lr, no EMA yet.
     fresh = new_app_run(mesh, seed=99, lr=FRESH_LR, ema=False)
     fresh_generator = _state_id(fresh.generator)
-    dcp.load({"app": fn(fresh)}, checkpoint_id=folder)
+    load_error = None
+    try:
+        dcp.load({"app": fn(fresh)}, checkpoint_id=folder)
+    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        load_error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else ''}"
+    failed = torch.tensor([load_error is not None], dtype=torch.int32)
+    dist.all_reduce(failed)  # every rank stops here if any rank's load failed: none waits alone in the loop
+    if failed.item():
+        return {"uninterrupted": uninterrupted, "uninterrupted_ema": uninterrupted_ema,
+                "save_changed_generator": save_changed, "load_error": load_error}
     loaded = full_state(fresh.model, fresh.optimizer)
     ema = fresh.ema
     # What rank 0's run.ema holds after the load (plain whole tensors expected; a DTensor is not gathered here:
@@ -313,7 +322,8 @@ def dcp_app_state(fn: Callable, stop_at: int, total: int, folder: str) -> dict:
             "save_changed_generator": save_changed,
             "generators": {"saved": at_save["generator"], "fresh": fresh_generator,
                            "loaded": loaded_generator},
-            "global_rng_loaded": global_loaded, "ema_type": ema_type, "ema_kinds": kinds, "ema_saved": ema_saved}
+            "global_rng_loaded": global_loaded, "ema_type": ema_type, "ema_kinds": kinds, "ema_saved": ema_saved,
+            "load_error": None}
 
 
 def _watch_rank0_disk(rank0_disk: str, read: list) -> Callable[[], None]:
