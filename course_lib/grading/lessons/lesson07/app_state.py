@@ -19,8 +19,8 @@ from .drivers import one_process_app
 __all__ = ["APP_STATE"]
 
 APP_HINTS = (
-    "Reread lesson 07, sections 1-4: what one run holds, state that differs per rank, resuming exactly, and "
-    "which rank writes an entry that several ranks save under one name.",
+    "Reread lesson 07, sections 1-3: what one run holds, which rank writes an entry that several ranks save "
+    "under one name (section 2), state that differs per rank, resuming exactly in a new launch.",
     "torch.distributed.checkpoint.stateful.Stateful (state_dict, load_state_dict); get_state_dict and "
     "set_state_dict; torch.Generator.get_state / set_state; dist.get_rank(); dcp.load calls state_dict() "
     "first and fills the tensors it returned, in place: their shapes are the saved ones; a name that a rank's "
