@@ -14,13 +14,21 @@ class RunState(Stateful):
 
     def state_dict(self):
         model_state, optim_state = get_state_dict(self.run.model, self.run.optimizer)
-        return {"model": model_state, "optim": optim_state, "step": self.run.step, "ema": self.run.ema,
-                f"generator_{dist.get_rank()}": self.run.generator.get_state()}
+        state = {"model": model_state, "optim": optim_state, "step": self.run.step,
+                 f"generator_{dist.get_rank()}": self.run.generator.get_state()}
+        if dist.get_rank() == 0:
+            ema = self.run.ema
+            if ema is None:
+                ema = {n: torch.empty(p.shape) for n, p in self.run.model.named_parameters()}
+            state["ema"] = ema
+        return state
 
     def load_state_dict(self, state):
         set_state_dict(self.run.model, self.run.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
         self.run.step = state["step"]
+        if dist.get_rank() == 0:
+            self.run.ema = state["ema"]
         self.run.generator.set_state(state[f"generator_{dist.get_rank()}"])
 
 
@@ -34,8 +42,8 @@ assert GENERATOR_SAVED in APP_SOLUTION and GENERATOR_SET in APP_SOLUTION
 # The optimizer left out: the model resumes, Adam starts again from zero moments.
 APP_NO_OPTIMIZER = (APP_SOLUTION
                     .replace('''        model_state, optim_state = get_state_dict(self.run.model, self.run.optimizer)
-        return {"model": model_state, "optim": optim_state,''',
-                             '''        return {"model": self.run.model.state_dict(),''')
+        state = {"model": model_state, "optim": optim_state,''',
+                             '''        state = {"model": self.run.model.state_dict(),''')
                     .replace('''        set_state_dict(self.run.model, self.run.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
 ''', '''        self.run.model.load_state_dict(state["model"])
@@ -55,22 +63,70 @@ assert "generator" not in APP_GLOBAL_RNG.split("def load_state_dict")[1]
 APP_GENERATOR_NOT_SET = APP_SOLUTION.replace(GENERATOR_SET, "")
 assert APP_GENERATOR_NOT_SET != APP_SOLUTION
 
-# The EMA left out: the new run's shadows are its fresh weights.
-APP_NO_EMA = APP_SOLUTION.replace(' "ema": self.run.ema,', "")
+EMA_SAVED = """        if dist.get_rank() == 0:
+            ema = self.run.ema
+            if ema is None:
+                ema = {n: torch.empty(p.shape) for n, p in self.run.model.named_parameters()}
+            state["ema"] = ema
+"""
+EMA_SET = """        if dist.get_rank() == 0:
+            self.run.ema = state["ema"]
+"""
+assert EMA_SAVED in APP_SOLUTION and EMA_SET in APP_SOLUTION
+
+# The EMA left out: the new run's rank 0 starts one from its weights.
+APP_NO_EMA = APP_SOLUTION.replace(EMA_SAVED, "").replace(EMA_SET, "")
 assert APP_NO_EMA != APP_SOLUTION
 
 # The EMA rebuilt from the loaded weights instead of saved: it forgets the average of the steps before.
 APP_EMA_FROM_WEIGHTS = APP_NO_EMA.replace('''        self.run.step = state["step"]
 ''', '''        self.run.step = state["step"]
-        with torch.no_grad():
-            for name, p in self.run.model.named_parameters():
-                self.run.ema[name].copy_(p)
+        if dist.get_rank() == 0:
+            self.run.ema = {n: p.full_tensor().clone() for n, p in self.run.model.named_parameters()}
+        else:
+            for p in self.run.model.parameters():
+                p.full_tensor()
 ''')
 assert APP_EMA_FROM_WEIGHTS != APP_NO_EMA
 
-# Copies of the shadows handed to DCP: dcp.load fills the copies, load_state_dict never copies them back.
-APP_EMA_COPIES = APP_SOLUTION.replace('"ema": self.run.ema,', '"ema": {k: v.clone() for k, v in self.run.ema.items()},')
-assert APP_EMA_COPIES != APP_SOLUTION
+# The lesson's habit, every rank's state under the same names: rank 0's shadows, rank 1's None. The save works,
+# but the new launch's rank 0 has no tensors for dcp.load to fill: it loads rank 1's None.
+APP_EMA_AS_IS = (APP_SOLUTION.replace(EMA_SAVED, '        state["ema"] = self.run.ema\n')
+                 .replace(EMA_SET, ""))
+assert APP_EMA_AS_IS != APP_SOLUTION
+
+# The EMA saved on rank 0 alone, but the new launch's rank 0 (which has none) hands dcp.load a None to fill.
+APP_EMA_NOTHING_TO_FILL = APP_SOLUTION.replace('''            if ema is None:
+                ema = {n: torch.empty(p.shape) for n, p in self.run.model.named_parameters()}
+''', "")
+assert APP_EMA_NOTHING_TO_FILL != APP_SOLUTION
+
+# DTensor buffers like the parameters (empty_like): dcp.load reshards the whole shadows into rank 0's DTensors.
+APP_EMA_DTENSOR_BUFFERS = APP_SOLUTION.replace("torch.empty(p.shape)", "torch.empty_like(p)")
+assert APP_EMA_DTENSOR_BUFFERS != APP_SOLUTION
+
+# "Every rank must pass the same names": rank 1 saves zeros in the EMA's shapes under the same names. DCP takes
+# them for replicas of rank 0's and writes some shadows from rank 1's copy.
+APP_EMA_PLACEHOLDER = APP_SOLUTION.replace('''        if dist.get_rank() == 0:
+            ema = self.run.ema
+            if ema is None:
+                ema = {n: torch.empty(p.shape) for n, p in self.run.model.named_parameters()}''',
+                                           '''        if True:
+            ema = self.run.ema
+            if ema is None:
+                ema = {n: torch.zeros(p.shape) for n, p in self.run.model.named_parameters()}''')
+assert APP_EMA_PLACEHOLDER != APP_SOLUTION
+
+# The new launch has no EMA on any rank, so every rank hands dcp.load tensors to fill and keeps them: rank 1 now
+# holds the whole EMA it must not need.
+APP_EMA_LOADED_EVERYWHERE = (APP_SOLUTION
+                             .replace("        if dist.get_rank() == 0:\n            ema = self.run.ema\n",
+                                      "        if dist.get_rank() == 0 or self.run.step == 0:\n"
+                                      "            ema = self.run.ema\n")
+                             .replace(EMA_SET, '''        if "ema" in state:
+            self.run.ema = state["ema"]
+'''))
+assert APP_EMA_LOADED_EVERYWHERE.count("self.run.step == 0") == 1
 
 # No set_state_dict: dcp.load filled the tensors in place, but Adam's lr stays the new run's.
 APP_NO_SET_STATE_DICT = APP_SOLUTION.replace('''        set_state_dict(self.run.model, self.run.optimizer, model_state_dict=state["model"],

@@ -79,7 +79,8 @@ def test_stub_scores_zero_and_says_what_to_write_once(exercise_id, ranks):
     assert_stub_scores_zero_with_its_first_hint_once(exercise_id, STUBS[exercise_id], ranks=ranks)
 
 
-RESUMED = "a new run loaded from the checkpoint reproduces the uninterrupted losses and EMA, bit for bit (2 ranks)"
+RESUMED = ("a new run loaded from the checkpoint reproduces the uninterrupted losses and rank 0's EMA, bit for bit "
+           "(2 ranks)")
 RESHARD_PARAMS_2 = "one process -> FSDP2: the parameters equal one process after 2 steps (2 ranks)"
 RESHARD_OPTIM_2 = "one process -> FSDP2: Adam's moments, step counts and lr equal one process's (2 ranks)"
 RESHARD_PIECES_2 = ("one process -> FSDP2: rank 1 reads nothing on rank 0's disk and never receives half the "
@@ -110,14 +111,34 @@ WRONG = [
         RESUMED: ("run.generator is the new run's own: its state was not saved, or not set back with set_state",),
     }, id="app-state-generator-not-set-back"),
     pytest.param(APP, answers.APP_NO_EMA, {
-        RESUMED: ("run.ema is not the saved one",),
+        RESUMED: ("rank 0,", "run.ema is still None after the load", "rank 0's EMA was not saved"),
     }, id="app-state-without-ema"),
     pytest.param(APP, answers.APP_EMA_FROM_WEIGHTS, {
-        RESUMED: ("run.ema equals the loaded parameters: an EMA rebuilt from the weights forgets",),
+        RESUMED: ("rank 0,", "run.ema equals the loaded weights: an EMA rebuilt from the weights forgets",),
     }, id="app-state-ema-rebuilt-from-weights"),
-    pytest.param(APP, answers.APP_EMA_COPIES, {
-        RESUMED: ("run.ema is not the saved one", "copies that load_state_dict() never copies back"),
-    }, id="app-state-ema-copies-never-copied-back"),
+    # The lesson's way, the EMA under one name on every rank (None on rank 1): the new launch's rank 0 has
+    # nothing for dcp.load to fill.
+    pytest.param(APP, answers.APP_EMA_AS_IS, {
+        RESUMED: ("rank 0,", "run.ema is still None after the load, although the checkpoint holds the shadows",
+                  "rank 0 handed dcp.load no tensors of the EMA's to fill"),
+    }, id="app-state-ema-under-one-name-on-every-rank"),
+    # Saved on rank 0 alone, but nothing to fill in the new launch: DCP's planner names the missing entry.
+    pytest.param(APP, answers.APP_EMA_NOTHING_TO_FILL, {
+        RESUMED: ("rank 0,", "dcp.load raised", "Missing key in checkpoint state_dict: app.ema",
+                  "an entry the saved run's did not"),
+    }, id="app-state-ema-nothing-to-fill"),
+    pytest.param(APP, answers.APP_EMA_DTENSOR_BUFFERS, {
+        RESUMED: ("rank 0,", "run.ema holds DTensors after the load"),
+    }, id="app-state-ema-dtensor-buffers"),
+    # Rank 1 saves zeros under the EMA's names: DCP takes them for replicas and writes some of rank 1's.
+    pytest.param(APP, answers.APP_EMA_PLACEHOLDER, {
+        RESUMED: ("rank 0,", "holds values rank 0 never saved: rank 1 wrote whole tensors", "another rank saved a tensor under the same name",
+                  "names no other rank saves"),
+    }, id="app-state-ema-placeholder-on-other-ranks"),
+    # Every rank of the new launch loads the EMA and keeps it: rank 1 holds what it must not need.
+    pytest.param(APP, answers.APP_EMA_LOADED_EVERYWHERE, {
+        RESUMED: ("rank 1,", "run.ema is no longer None after the load: only rank 0 keeps the EMA"),
+    }, id="app-state-ema-loaded-on-every-rank"),
     pytest.param(APP, answers.APP_NO_SET_STATE_DICT, {
         RESUMED: ("resumed at step 3, the loss of step", "Adam's param_groups (its lr"),
     }, id="app-state-without-set-state-dict"),

@@ -124,11 +124,12 @@ def _state_id(generator_or_state) -> str:
     return hashlib.sha1(state.numpy().tobytes()).hexdigest()[:16]
 
 
-def new_app_run(mesh=None, seed: int = 1234, lr: float = LR) -> types.SimpleNamespace:
+def new_app_run(mesh=None, seed: int = 1234, lr: float = LR, ema: bool = True) -> types.SimpleNamespace:
     """07.app_state's run: `model` (FSDP2 over `mesh`, if given), `optimizer` (Adam at `lr`), `generator` (a
-    torch.Generator seeded `seed + rank`: this rank's rows and dropout masks), `ema` ({name: a shadow of the
-    parameter, sharded like it}, updated after every step), `step` 0. The global RNG is seeded `seed + rank` too,
-    and the training loop never draws from it."""
+    torch.Generator seeded `seed + rank`: this rank's rows and dropout masks), `ema` (on rank 0 only: {name: a
+    whole plain tensor, the parameter's shadow}, updated after every step; None on the other ranks, and on every
+    rank when `ema` is False: a new launch's, which the loop starts from the weights unless a load gave it one),
+    `step` 0. The global RNG is seeded `seed + rank` too, and the training loop never draws from it."""
     from ....models import make_model
 
     model = make_model()
@@ -141,10 +142,11 @@ def new_app_run(mesh=None, seed: int = 1234, lr: float = LR) -> types.SimpleName
     dist = _dist()
     rank = dist.get_rank() if dist and mesh is not None else 0
     torch.manual_seed(seed + rank)
+    whole = _whole(dict(model.named_parameters()))  # every rank: full_tensor is an all-gather
     return types.SimpleNamespace(
         model=model, optimizer=torch.optim.Adam(model.parameters(), lr=lr),
         generator=torch.Generator().manual_seed(seed + rank),
-        ema={name: p.detach().clone() for name, p in model.named_parameters()}, step=0)
+        ema=whole if ema and rank == 0 else None, step=0)
 
 
 def _app_draw(generator: torch.Generator, share: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,7 +158,8 @@ def _app_draw(generator: torch.Generator, share: int) -> tuple[torch.Tensor, tor
 
 def train_app(run, until: int) -> list[float]:
     """07.app_state's loop: steps run.step .. until-1; each rank draws its rows and dropout from run.generator,
-    Adam steps, then every EMA shadow moves toward its parameter. Each step's loss (the ranks' mean:
+    Adam steps, then rank 0 moves every EMA shadow toward its whole parameter (or starts the EMA from the
+    weights if it has none). Each step's loss (the ranks' mean:
     all_reduce)."""
     from ....models import make_batch
 
@@ -170,9 +173,14 @@ def train_app(run, until: int) -> list[float]:
         loss = torch.nn.functional.mse_loss(run.model(inputs_all[rows] * keep), targets_all[rows])
         loss.backward()
         run.optimizer.step()
-        with torch.no_grad():
-            for name, p in run.model.named_parameters():
-                run.ema[name].lerp_(p.detach(), 1 - EMA_DECAY)
+        whole = _whole(dict(run.model.named_parameters()))  # every rank: full_tensor is an all-gather
+        if (dist.get_rank() if dist is not None else 0) == 0:
+            if run.ema is None:  # a new launch that loaded no EMA starts it from the weights
+                run.ema = whole
+            else:
+                with torch.no_grad():
+                    for name, value in whole.items():
+                        run.ema[name].lerp_(value, 1 - EMA_DECAY)
         loss = loss.detach()
         if dist is not None and world > 1:
             dist.all_reduce(loss)
@@ -215,32 +223,84 @@ def _whole(tensors: dict) -> dict:
             for name, t in tensors.items()}
 
 
+def _ema_kind(loaded: dict, saved: dict, fresh: dict) -> dict:
+    """{name: "saved", "fresh" (the loaded weights), or "other"}: what each of rank 0's shadows holds."""
+    def kind(name):
+        got = loaded.get(name)
+        if got is None or got.shape != saved[name].shape:
+            return "other"
+        return "saved" if torch.equal(got, saved[name]) else "fresh" if torch.equal(got, fresh[name]) else "other"
+
+    return {name: kind(name) for name in saved}
+
+
+def _whole_tensors_saved(folder: str, weights: dict) -> dict:
+    """What the checkpoint holds of an EMA: whole tensors (one chunk, written by one rank) of the parameters'
+    shapes (FSDP2's parameters and Adam's moments come in one chunk per rank). {"all": one of every shape,
+    "by_others": the ranks other than 0 whose data files hold any of them}."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    metadata = FileSystemReader(folder).read_metadata()
+    shapes = [tuple(v.shape) for v in weights.values()]
+    whole, writers = [], set()
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata) and len(md.chunks) == 1 and tuple(md.size) in shapes:
+            whole.append(tuple(md.size))
+            info = metadata.storage_data.get(MetadataIndex(fqn, md.chunks[0].offsets))
+            if info is not None:  # FileSystemWriter names each rank's files __<rank>_<n>.distcp
+                writers.add(int(str(info.relative_path).split("_")[2]))
+    return {"all": all(whole.count(shape) >= shapes.count(shape) for shape in shapes),
+            "by_others": sorted(writers - {0})}
+
+
 def dcp_app_state(fn: Callable, stop_at: int, total: int, folder: str) -> dict:
     """07.app_state: train to `stop_at`, save {"app": fn(run)} with dcp.save, train on to `total` (the
-    uninterrupted run); then a fresh run, as a new launch would start it (another seed, Adam at another lr),
-    loads {"app": fn(fresh)} with dcp.load and trains to `total` (the resumed run). Send back both runs' losses
-    and EMA, and what the load restored (fingerprints of the generators to tell whose state came back)."""
+    uninterrupted run); then a fresh run, as a new launch would start it (another seed, Adam at another lr, no
+    EMA on any rank), loads {"app": fn(fresh)} with dcp.load and trains to `total` (the resumed run). Send back
+    both runs' losses and rank 0's EMA, and what the load restored (fingerprints of the generators to tell whose
+    state came back; what each of rank 0's shadows holds)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
 
     dist = _dist()
+    rank = dist.get_rank()
     mesh = _mesh((dist.get_world_size(),))
     run = new_app_run(mesh)
     train_app(run, stop_at)
     at_save = {"generator": _state_id(run.generator), "global": _state_id(torch.get_rng_state()),
-               "step": run.step, "state": full_state(run.model, run.optimizer), "ema": _whole(run.ema),
+               "step": run.step, "state": full_state(run.model, run.optimizer),
+               "ema": _whole(run.ema) if run.ema is not None else None,
                "lr": run.optimizer.param_groups[0]["lr"]}
     dcp.save({"app": fn(run)}, checkpoint_id=folder)
     save_changed = _state_id(run.generator) != at_save["generator"]
     uninterrupted = train_app(run, total)
-    uninterrupted_ema = _whole(run.ema)
+    uninterrupted_ema = _whole(run.ema) if rank == 0 else {}
 
-    # A new process: another model state, generators and global RNG elsewhere, step 0, another lr.
-    fresh = new_app_run(mesh, seed=99, lr=FRESH_LR)
+    # A new process: another model state, generators and global RNG elsewhere, step 0, another lr, no EMA yet.
+    fresh = new_app_run(mesh, seed=99, lr=FRESH_LR, ema=False)
     fresh_generator = _state_id(fresh.generator)
-    dcp.load({"app": fn(fresh)}, checkpoint_id=folder)
+    load_error = None
+    try:
+        dcp.load({"app": fn(fresh)}, checkpoint_id=folder)
+    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        load_error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else ''}"
+    failed = torch.tensor([load_error is not None], dtype=torch.int32)
+    dist.all_reduce(failed)  # every rank stops here if any rank's load failed: none waits alone in the loop
+    if failed.item():
+        return {"uninterrupted": uninterrupted, "uninterrupted_ema": uninterrupted_ema,
+                "save_changed_generator": save_changed, "load_error": load_error}
     loaded = full_state(fresh.model, fresh.optimizer)
-    loaded_ema = _whole(fresh.ema)
+    ema = fresh.ema
+    # What rank 0's run.ema holds after the load (plain whole tensors expected; a DTensor is not gathered here:
+    # full_tensor on one rank alone would wait for the others).
+    ema_type = ("none" if ema is None else "not a dict" if not isinstance(ema, dict) else
+                "dtensor" if any(isinstance(v, DTensor) for v in ema.values()) else "tensors")
+    loaded_ema = ({n: v.detach().clone() for n, v in ema.items() if isinstance(v, torch.Tensor)}
+                  if ema_type == "tensors" else {})
     loaded_generator, global_loaded = _state_id(fresh.generator), _state_id(torch.get_rng_state()) == at_save["global"]
+    kinds = _ema_kind(loaded_ema, at_save["ema"], loaded["model"]) if rank == 0 else {}
+    ema_saved = _whole_tensors_saved(folder, at_save["state"]["model"]) if rank == 0 else None
     restored = {
         "step": fresh.step == at_save["step"],
         "generator": loaded_generator == at_save["generator"],
@@ -249,17 +309,21 @@ def dcp_app_state(fn: Callable, stop_at: int, total: int, folder: str) -> dict:
             n in loaded["exp_avg"] and torch.equal(loaded["exp_avg"][n], v)
             for n, v in at_save["state"]["exp_avg"].items()) and loaded["steps"] == at_save["state"]["steps"],
         "lr": fresh.optimizer.param_groups[0]["lr"] == at_save["lr"],
-        "ema": all(n in loaded_ema and torch.equal(loaded_ema[n], v) for n, v in at_save["ema"].items()),
+        # rank 0: every shadow back as saved; another rank: still none (it never needs the EMA)
+        "ema": all(k == "saved" for k in kinds.values()) if rank == 0 else ema is None,
     }
     resumed_at = fresh.step
+    if rank or not restored["ema"]:
+        fresh.ema = None  # judged above; a wrong one could break the loop on rank 0 alone (it starts one anew)
     resumed = train_app(fresh, total) if fresh.step < total else []
     return {"uninterrupted": uninterrupted, "uninterrupted_ema": uninterrupted_ema, "resumed": resumed,
-            "resumed_ema": _whole(fresh.ema), "resumed_at": resumed_at, "restored": restored,
+            "resumed_ema": _whole(fresh.ema) if rank == 0 and ema_type == "tensors" else {},
+            "resumed_at": resumed_at, "restored": restored,
             "save_changed_generator": save_changed,
             "generators": {"saved": at_save["generator"], "fresh": fresh_generator,
                            "loaded": loaded_generator},
-            "global_rng_loaded": global_loaded,
-            "ema_is_weights": all(torch.equal(loaded_ema[n], loaded["model"][n]) for n in loaded_ema)}
+            "global_rng_loaded": global_loaded, "ema_type": ema_type, "ema_kinds": kinds, "ema_saved": ema_saved,
+            "load_error": None}
 
 
 def _watch_rank0_disk(rank0_disk: str, read: list) -> Callable[[], None]:
