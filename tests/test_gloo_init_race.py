@@ -1,6 +1,6 @@
 """Gloo's start loses a starved rank when its peers leave at once (upstream), and torch's init barrier holds.
 
-The race (course_lib/launcher/gloo_init_race.py): four ranks start a gloo group and leave with no
+The race (course_lib/rank/gloo_init_race.py): four ranks start a gloo group and leave with no
 collective; rank 0 runs at nice 19 beside them, so it is the last to finish its side of the mesh.
 Without `TORCH_DIST_INIT_BARRIER` rank 0 sometimes fails in `init_process_group` ("connectFullMesh
 ... Connection closed by peer"); with it, never. Ranks are forked from this process (torch already
@@ -9,18 +9,17 @@ imported): a start costs well under a second, where torchrun would cost several.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
-import pathlib
 import socket
 import sys
-import tempfile
 import time
 
 import pytest
 import torch.distributed as dist  # imported here, once: the forked ranks start in well under a second
 
-from course_lib.launcher.gloo_init_race import INIT_BARRIER_ENV, with_init_barrier
+from course_lib.rank.gloo_init_race import INIT_BARRIER_ENV, init_barrier
 
 WORLD = 4
 START_DEADLINE_S = 30  # a start that takes longer than this hung (a peer of the failed rank waits for it)
@@ -28,12 +27,12 @@ START_DEADLINE_S = 30  # a start that takes longer than this hung (a peer of the
 
 def _rank(rank: int, port: int, barrier: bool) -> None:
     os.environ.pop(INIT_BARRIER_ENV, None)
-    if barrier:
-        with_init_barrier(os.environ)
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # all on one core: they compete, loaded or not
     if rank == 0:
         os.nice(19)  # starved, as a rank is on a loaded machine: the last to finish its side of the mesh
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+        with init_barrier() if barrier else contextlib.nullcontext():
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
         dist.destroy_process_group()  # and leave: no collective that would hold the fast ranks back
     except Exception as error:  # the race: report it in the exit code, nothing else to clean up
         sys.stderr.write(f"rank {rank}: {str(error).splitlines()[0][:200]}\n")
@@ -78,16 +77,27 @@ def test_a_starved_rank_fails_in_gloos_init_without_the_barrier_and_never_with_i
                     "(if this holds on later torch versions, the workaround may go)")
 
 
-def test_every_gloo_launch_the_course_makes_turns_the_barrier_on_and_no_nccl_launch(monkeypatch):
-    from course_lib.backend_choice import choose_backend
-    from course_lib.launcher.torchrun import _child_env
+# Counts torch's store-based barriers: init_process_group's (the workaround) and any new_group's (none).
+COUNTS_BARRIERS = """\
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
-    def launched_env(backend: str = "gloo") -> dict[str, str]:
-        choice = choose_backend(1, backend, gpus=1 if backend == "nccl" else 0)
-        return _child_env(choice, pathlib.Path(tempfile.gettempdir()), "mark")
+calls = []
+original = c10d._store_based_barrier
+c10d._store_based_barrier = lambda *args, **kwargs: (calls.append("barrier"), original(*args, **kwargs))[1]
+dist.init_process_group("gloo")
+after_init = len(calls)
+pair = dist.new_group(ranks=[0, 1])
+dist.all_reduce(__import__("torch").ones(1), group=pair)
+print(after_init, len(calls) - after_init)
+dist.destroy_process_group()
+"""
+
+
+def test_a_gloo_cell_waits_at_the_barrier_after_init_and_new_group_keeps_torchs_default(monkeypatch):
+    from course_lib.launcher.torchrun import run_torchrun
 
     monkeypatch.delenv(INIT_BARRIER_ENV, raising=False)
-    assert launched_env()[INIT_BARRIER_ENV] == "1"
-    assert INIT_BARRIER_ENV not in launched_env("nccl")  # NCCL's init keeps not waiting (lesson 01, section 2)
-    monkeypatch.setenv(INIT_BARRIER_ENV, "0")  # someone who turned it off on purpose keeps their choice
-    assert launched_env()[INIT_BARRIER_ENV] == "0"
+    result = run_torchrun(COUNTS_BARRIERS, 2, backend="gloo", timeout_s=60)
+    assert result.ok, result.stderr
+    assert result.stdout == {0: "1 0\n", 1: "1 0\n"}  # one barrier after init, none for new_group

@@ -27,7 +27,6 @@ import signal
 import subprocess
 import sys
 import threading
-from ..launcher.gloo_init_race import with_init_barrier
 
 __all__ = ["RankServer"]
 
@@ -121,7 +120,6 @@ class RankServer:
 
     def __init__(self, preload: tuple[str, ...] = ()):
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        with_init_barrier(env)  # the forked ranks' groups: no rank leaves init early (launcher/gloo_init_race.py)
         self.preload = tuple(preload)
         self.proc = subprocess.Popen([sys.executable, "-m", __name__, *self.preload], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env)

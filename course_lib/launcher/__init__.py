@@ -6,8 +6,7 @@
 - `processes`: the process tree of a launch, killed by PID, never by name;
 - `watchdog`: kills a launch whose kernel died;
 - `diagnosis`: who is stuck where, from ledgers and stacks;
-- `rank_output`: what ranks wrote (torchrun's log files) as rank-ordered text;
-- `gloo_init_race`: the init barrier every launch turns on (an upstream gloo race at start).
+- `rank_output`: what ranks wrote (torchrun's log files) as rank-ordered text.
 
 What the ranks must agree on with this side is in `course_lib.rank.contract`.
 """

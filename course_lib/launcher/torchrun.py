@@ -28,7 +28,6 @@ from ..rank.contract import (CELL_HOOK_MODULE, CELL_RUNNER_MODULE, ENV_BACKEND, 
                              ENV_RESULTS_DIR, PUBLISHED_GLOB, SCRIPT_NAME, ledger_file, parse_published,
                              ready_file)
 from ..rank.ledger import read_ledger
-from .gloo_init_race import with_init_barrier
 from . import watchdog
 from .diagnosis import collect, describe_stuck
 from .processes import ProcessTree, kill_marked, new_mark
@@ -117,8 +116,6 @@ def _child_env(choice: BackendChoice, results_dir: pathlib.Path, mark: str) -> d
     env[ENV_LAUNCH_MARK] = mark  # inherited by every process of this launch: see processes.py
     env.setdefault("OMP_NUM_THREADS", "1")  # also silences torchrun's 4-line warning
     env["PYTHONUNBUFFERED"] = "1"  # lines reach the log files (and the live view) at once
-    if choice.backend == "gloo":
-        with_init_barrier(env)  # no rank leaves init before all are connected (gloo_init_race.py)
     env[ENV_BACKEND] = choice.backend
     if choice.requested == "gloo":
         # A cell that asks for gloo keeps its tensors on the CPU on purpose, on a GPU node too:

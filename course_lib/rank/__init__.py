@@ -18,6 +18,7 @@ import signal
 from typing import Any
 
 from ..backend_choice import BackendChoice, choose_backend
+from .gloo_init_race import init_barrier
 from .contract import (ENV_BACKEND, ENV_DEVICE, ENV_LEDGER, ENV_RESULTS_DIR, ledger_file, published_file, ready_file,
                        stacks_file)
 
@@ -139,10 +140,12 @@ def mark_ready_after_init() -> None:
     The launcher's deadline counts from when every rank's file exists, so that the seconds a loaded
     machine spends importing torch (and transformers) are not the cell's. Wraps c10d's function when
     `torch.distributed.distributed_c10d` loads (cell_hook), before `torch.distributed` copies its name.
+    On gloo the same wrapper turns torch's init barrier on for that one call (gloo_init_race.py).
     """
     results_dir = os.environ.get(ENV_RESULTS_DIR)
     if not results_dir:
         return
+    import contextlib
     import functools
 
     import torch.distributed.distributed_c10d as c10d
@@ -152,9 +155,13 @@ def mark_ready_after_init() -> None:
         return
     path = os.path.join(results_dir, ready_file(os.environ.get("RANK", "0")))
 
+    # gloo only: no rank leaves init before every rank is connected (gloo_init_race.py).
+    barrier = init_barrier if os.environ.get(ENV_BACKEND) == "gloo" else contextlib.nullcontext
+
     @functools.wraps(original)
     def init_process_group(*args, **kwargs):
-        result = original(*args, **kwargs)
+        with barrier():
+            result = original(*args, **kwargs)
         if not os.path.exists(path):
             with open(path, "w"):
                 pass
