@@ -29,6 +29,20 @@ DECAY_EVERY, DECAY = 2, 0.5  # the run's StepLR: lr halves every 2 steps
 DROPOUT, EMA_DECAY = 0.25, 0.9  # 07.app_state's input dropout and its EMA's decay
 
 
+def _sharded_model(mesh):
+    """The lesson's model, FSDP2 bottom-up over `mesh` (each Block, then the root), or plain when `mesh` is None."""
+    from ....models import make_model
+
+    model = make_model()
+    if mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in (model[1], model[2]):
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model
+
+
 def _dist():
     import torch.distributed as dist
 
@@ -46,15 +60,7 @@ def new_run(mesh=None, seed: int = 1234, lr: float = LR) -> types.SimpleNamespac
     (StepLR), `sampler`, `step` 0; the global RNG seeded with `seed` on every rank."""
     from torch.utils.data import DistributedSampler
 
-    from ....models import make_model
-
-    model = make_model()
-    if mesh is not None:
-        from torch.distributed.fsdp import fully_shard
-
-        for block in (model[1], model[2]):
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+    model = _sharded_model(mesh)
     dist = _dist()
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist and mesh is not None else (1, 0)
     sampler = DistributedSampler(range(ROWS), num_replicas=world, rank=rank, shuffle=True, seed=0)
@@ -130,15 +136,7 @@ def new_app_run(mesh=None, seed: int = 1234, lr: float = LR, ema: bool = True) -
     whole plain tensor, the parameter's shadow}, updated after every step; None on the other ranks, and on every
     rank when `ema` is False: a new launch's, which the loop starts from the weights unless a load gave it one),
     `step` 0. The global RNG is seeded `seed + rank` too, and the training loop never draws from it."""
-    from ....models import make_model
-
-    model = make_model()
-    if mesh is not None:
-        from torch.distributed.fsdp import fully_shard
-
-        for block in (model[1], model[2]):
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+    model = _sharded_model(mesh)
     dist = _dist()
     rank = dist.get_rank() if dist and mesh is not None else 0
     torch.manual_seed(seed + rank)
