@@ -27,6 +27,7 @@ from typing import Any
 from .. import rank as rank_env
 from ..rank import ledger
 from ..rank.contract import CELL_LABEL, ENV_POOL_ADDRESS, ENV_POOL_INIT, ENV_POOL_KEYFILE
+from ..rank.process_exit import exit_without_finalizing
 from .messages import receive, send
 
 __all__ = ["main"]
@@ -180,3 +181,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_finalizing(0)  # not into finalization, where a gloo thread can abort the rank (rank/process_exit.py)

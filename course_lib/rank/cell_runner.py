@@ -20,6 +20,10 @@ multiprocessing imports a `-m` program again by its module name: a spawned
 child imports this module as `__mp_main__`, which runs only the cell's
 definitions, read from the file named by `ENV_CELL_FILE`.
 
+When the cell ends, the rank ends as Python would (threads joined, atexit functions run, output
+flushed, the same exit status and traceback) but without the interpreter's finalization, where a
+gloo worker thread can abort a rank that has finished its work (process_exit.py).
+
 What a spawned child sees of the cell, in the cell's order:
 
 - its top-level `import` and `from ... import` statements;
@@ -45,6 +49,7 @@ import sys
 import types
 
 from .contract import CELL_HOOK_MODULE, ENV_CELL_FILE
+from .process_exit import exit_status, exit_without_finalizing
 
 __all__ = ["definitions", "main"]
 
@@ -139,7 +144,17 @@ def main(argv: list[str]) -> None:
     code = compile(_read(path), path, "exec", dont_inherit=True)
     module = _new_main(path)
     sys.argv = [path, *argv[1:]]
-    exec(code, module.__dict__)
+    try:
+        exec(code, module.__dict__)
+    except SystemExit as exc:
+        exit_without_finalizing(exit_status(exc))
+    except KeyboardInterrupt:
+        raise  # Python's own way out: the rank ends by SIGINT, as torchrun expects of an interrupted program
+    except BaseException as exc:  # noqa: BLE001 - printed as Python prints an uncaught exception, exit status 1
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        exit_without_finalizing(1)
+    # Not a return into the interpreter's finalization, where a torch thread can abort the rank (process_exit.py).
+    exit_without_finalizing(0)
 
 
 def _define_cell(namespace: dict) -> None:
