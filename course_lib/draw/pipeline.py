@@ -8,7 +8,8 @@ share it: their clocks differ by an unknown offset, and a drawing across nodes n
 first (e.g. each rank's end of one barrier, as `show_timeline(align="barrier")` does).
 
 It prints each rank's actions in the order it ran them (stable from run to run: checked under nbval),
-draws the boxes (time from the earliest start; gaps are idle time, waiting for a neighbour), and returns a
+draws the boxes (time from the earliest start; gaps are idle time, waiting for a neighbour; a box too
+narrow for its microbatch's number goes without it), and returns a
 `ScheduleView` whose `stats` hold, per rank, the busy seconds, the idle seconds between its first and last
 action, and its bubble: the share of the whole run (earliest start to latest end, over all ranks) it spent
 idle, the quantity the textbook's `(p - 1) / (m + p - 1)` predicts.
@@ -108,9 +109,11 @@ def draw_schedule(timelines: Mapping[int, Sequence], *, title: str = "pipeline s
         width = (box.end - box.start) * 1e3
         ax.barh(box.rank, max(width, span * 1e3 * 0.002), left=box.start * 1e3, height=0.7,
                 color=KIND_COLORS[box.kind], edgecolor="black", linewidth=0.4)
-        # The microbatch's number, in the box; white on the dark backward boxes.
-        ax.text(box.start * 1e3 + width / 2, box.rank, str(box.microbatch), ha="center", va="center",
-                fontsize=7, color="white" if box.kind == "B" else "black")
+        # The microbatch's number, in the box where it fits (about 1% of the axis a digit); white on dark.
+        label = str(box.microbatch)
+        if width >= span * 1e3 * 0.011 * len(label):
+            ax.text(box.start * 1e3 + width / 2, box.rank, label, ha="center", va="center",
+                    fontsize=7, color="white" if box.kind == "B" else "black")
     from matplotlib.patches import Patch
 
     kinds = [k for k in KIND_COLORS if any(b.kind == k for b in boxes)]

@@ -94,9 +94,11 @@ PREDICTIONS: dict[str, Prediction] = {
         formula=_idle_formula,
         explanation=("with every forward and backward one slot long, a step lasts 2(m + p - 1) = 22 slots and "
                      "rank 0 works 2m = 16 of them: 6 idle slots, 2(p - 1), the (p - 1)/(m + p - 1) = 3/11 of "
-                     "the formula. Under GPipe they come in one block, after its last forward, waiting for the "
-                     "first gradient to come back through ranks 1-3 and rank 3's first backward; under 1F1B they "
-                     "come in the same places: 1F1B starts backwards earlier but does not shorten the step."),
+                     "the formula. Under GPipe they come in one block after its last forward: 3 slots while "
+                     "microbatch 7's forward reaches rank 3, 3 while microbatch 0's gradient comes back. Under "
+                     "1F1B, 3 come after its 4 warm-up forwards (microbatch 0's forward goes out and its gradient "
+                     "comes back) and 3 between its last 4 backwards, each waiting for the next gradient: 1F1B "
+                     "starts backwards earlier, but the step is no shorter."),
         unit="slots",
     ),
     "08.peak_microbatches": Prediction(
