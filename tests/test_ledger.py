@@ -204,3 +204,39 @@ def test_rank_where_says_where_an_interrupted_rank_was():
     assert rank_where([], None) == "starting up (before the cell's first line)"  # no stack: the hook not yet in
     assert rank_where([], '  File "course_lib/rank/__init__.py", line 9 in _destroy_if_open\n') == (
         "outside the cell (before its first line or after its last), before any collective")
+
+
+BATCH_P2P_SCRIPT = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist
+    from course_lib.rank import ledger
+    rank = int(sys.argv[2])
+    ledger.install(sys.argv[1])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[3]}", rank=rank, world_size=2)
+    small, large = torch.ones(4), torch.zeros(8, dtype=torch.float64)   # 16 B and 64 B
+    mine, theirs = (small, large) if rank == 0 else (large, small)
+    incoming = torch.empty_like(theirs)
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, 1 - rank),
+                                        dist.P2POp(dist.irecv, incoming, 1 - rank)]):
+        work.wait()
+    assert torch.equal(incoming, theirs)
+    dist.destroy_process_group()
+""")
+
+
+def test_batch_isend_irecv_records_its_ops_bytes_and_peers(tmp_path):
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ranks = [subprocess.Popen([sys.executable, "-c", BATCH_P2P_SCRIPT, str(tmp_path / f"ledger{r}.jsonl"), str(r),
+                               str(port)]) for r in (0, 1)]
+    try:
+        assert [rank.wait(timeout=120) for rank in ranks] == [0, 0]
+    finally:
+        for rank in ranks:
+            rank.kill()  # by the PID we started; a no-op for one that ended
+    for rank, (sent, received) in enumerate([(16, 64), (64, 16)]):
+        [entry] = read_ledger(str(tmp_path / f"ledger{rank}.jsonl"))
+        assert entry["op"] == "batch_isend_irecv" and entry["bytes"] == sent + received
+        assert entry["ops"] == [["isend", 1 - rank, sent], ["irecv", 1 - rank, received]]

@@ -53,5 +53,8 @@ def ops_called(ledger: list[dict]) -> list[str]:
 
 
 def bytes_sent(ledger: list[dict]) -> int:
-    """Bytes this rank handed to send/isend (batch_isend_irecv's are not recorded by the ledger)."""
-    return sum(entry["bytes"] for entry in ledger if entry["op"] in SENDS)
+    """Bytes this rank handed to send/isend, alone or inside batch_isend_irecv (the ledger's "ops")."""
+    alone = sum(entry["bytes"] for entry in ledger if entry["op"] in SENDS)
+    batched = sum(nbytes for entry in ledger if entry["op"] == "batch_isend_irecv"
+                  for name, _peer, nbytes in entry.get("ops", ()) if name == "isend")
+    return alone + batched

@@ -53,9 +53,24 @@ def _tensors(value: Any) -> list:
 
     if isinstance(value, torch.Tensor):
         return [value]
+    if isinstance(value, _p2p_op_type()):  # batch_isend_irecv's list: each op's tensor, sent or received
+        return [value.tensor]
     if isinstance(value, (list, tuple)):
         return [t for item in value for t in _tensors(item)]
     return []
+
+
+def _p2p_op_type() -> type:
+    from torch.distributed import P2POp
+
+    return P2POp
+
+
+def _p2p_ops(value: Any) -> str:
+    """batch_isend_irecv's ops as JSON: [["isend", peer, bytes], ["irecv", peer, bytes], ...], in the list's order."""
+    ops = [[getattr(op.op, "__name__", str(op.op)), op.peer, op.tensor.numel() * op.tensor.element_size()]
+           for op in value or () if isinstance(op, _p2p_op_type())]
+    return json.dumps(ops, separators=(",", ":"))
 
 
 def _group_name(group: Any) -> str:
@@ -94,6 +109,7 @@ class _Recorder:
         group_index = params.index("group") if "group" in params else None
         async_index = params.index("async_op") if "async_op" in params else None
         always_async = name in ALWAYS_ASYNC
+        is_batch_p2p = input_name == "p2p_op_list"
         op = canonical_op(name)
         fd, seqs, lock = self.fd, self.seq, self.lock
 
@@ -109,9 +125,11 @@ class _Recorder:
             dtype = f'"{str(tensors[0].dtype)[6:]}"' if tensors else "null"  # "torch.float32" -> "float32"
             shapes = [list(t.shape) for t in tensors]
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            # batch_isend_irecv: "bytes" counts sends and receives together; "ops" says which is which.
+            ops = f',"ops":{_p2p_ops(_arg(args, kwargs, input_index, input_name))}' if is_batch_p2p else ""
             os.write(fd, (
                 f'{{"seq":{seq},"op":"{op}","call":"{name}","group":"{group}","shapes":{shapes},"dtype":{dtype},'
-                f'"bytes":{nbytes},"start":{time.monotonic()!r},"async":{"true" if is_async else "false"}}}\n'
+                f'"bytes":{nbytes},"start":{time.monotonic()!r},"async":{"true" if is_async else "false"}{ops}}}\n'
             ).encode())
             _state.depth = 1
             try:
