@@ -96,7 +96,7 @@ PREDICTIONS: dict[str, Prediction] = {
                      "rank 0 works 2m = 16 of them: 6 idle slots, 2(p - 1), the (p - 1)/(m + p - 1) = 3/11 of "
                      "the formula. Under GPipe they come in one block after its last forward: 3 slots while "
                      "microbatch 7's forward reaches rank 3, 3 while microbatch 0's gradient comes back. Under "
-                     "1F1B, 3 come after its 4 warm-up forwards (microbatch 0's forward goes out and its gradient "
+                     "1F1B, 3 come after its first 4 forwards (microbatch 0's forward goes out and its gradient "
                      "comes back) and 3 between its last 4 backwards, each waiting for the next gradient: 1F1B "
                      "starts backwards earlier, but the step is no shorter."),
         unit="slots",
@@ -110,7 +110,7 @@ PREDICTIONS: dict[str, Prediction] = {
         explanation=("GPipe runs all 8 forwards before the first backward, so rank 0 holds the saved "
                      "activations of all m = 8 microbatches. 1F1B lets rank 0 run p - 1 = 3 forwards ahead, "
                      "then one forward before each backward: the 4th forward comes before the first backward "
-                     "frees microbatch 0, so it holds p = 4 at most, whatever m is."),
+                     "frees microbatch 0, so it holds p = 4 at most for any m ≥ p (min(m, p) in general)."),
         unit="microbatches",
     ),
 }
