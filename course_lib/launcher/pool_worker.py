@@ -27,7 +27,7 @@ from typing import Any
 from .. import rank as rank_env
 from ..rank import ledger
 from ..rank.contract import CELL_LABEL, ENV_POOL_ADDRESS, ENV_POOL_INIT, ENV_POOL_KEYFILE
-from ..rank.process_exit import exit_without_finalizing
+from ..rank.process_exit import c_stdio_flusher, exit_without_finalizing
 from .messages import receive, send
 
 __all__ = ["main"]
@@ -95,19 +95,6 @@ def _format_error(exc: BaseException) -> tuple[str, str]:
     return type(exc).__name__, text
 
 
-def _c_stdio_flusher():
-    """`fflush(NULL)` from the C library, or None: C code's buffered prints reach the log file
-    (rank_output.RankFdOutput) before the cell reports done, so they are shown with the cell that made them."""
-    try:
-        import ctypes
-
-        flush = ctypes.CDLL(None).fflush
-        flush.argtypes = [ctypes.c_void_p]
-        return flush
-    except (OSError, AttributeError):
-        return None
-
-
 def _connect():
     host, port = os.environ[ENV_POOL_ADDRESS].rsplit(":", 1)
     with open(os.environ[ENV_POOL_KEYFILE], "rb") as handle:
@@ -143,7 +130,7 @@ def main() -> None:
     err = _ConnectionWriter(conn, lock, "stderr")
     sys.stdout, sys.stderr = out, err
     namespace: dict[str, Any] = {"__name__": "__main__"}
-    flush_c_stdio = _c_stdio_flusher()
+    flush_c_stdio = c_stdio_flusher()  # C prints reach the log (rank_output.RankFdOutput) with their cell
 
     while True:
         try:

@@ -27,7 +27,7 @@ import sys
 import threading
 from typing import NoReturn
 
-__all__ = ["exit_status", "exit_without_finalizing"]
+__all__ = ["c_stdio_flusher", "exit_status", "exit_without_finalizing"]
 
 
 def exit_status(exc: SystemExit) -> int:
@@ -41,16 +41,24 @@ def exit_status(exc: SystemExit) -> int:
     return 1
 
 
-def _flush_c_stdio() -> None:
-    """`fflush(NULL)`: what C code printed but the C library still buffers (os._exit would drop it)."""
+def c_stdio_flusher():
+    """The C library's `fflush`, ready to call as `flush(None)` (all streams), or None where it cannot be
+    loaded: what C code printed but the C library still buffers, which os._exit would drop (and which a pool
+    worker flushes after each cell, so C output is shown with the cell that made it)."""
     try:
         import ctypes
 
         flush = ctypes.CDLL(None).fflush
         flush.argtypes = [ctypes.c_void_p]
-        flush(None)
+        return flush
     except (OSError, AttributeError):
-        pass
+        return None
+
+
+def _flush_c_stdio() -> None:
+    flush = c_stdio_flusher()
+    if flush is not None:
+        flush(None)
 
 
 def exit_without_finalizing(status: int = 0) -> NoReturn:
