@@ -12,24 +12,24 @@ def gpipe_step(stage, inputs, targets, loss_fn, n_microbatches, input_shape):
     m = n_microbatches
     xs = inputs.chunk(m) if first else None
     ys = targets.chunk(m) if last else None
-    received, outputs, total = [], [], 0.0
-    for i in range(m):
+    received, outputs, total = [], [], 0.0     # kept until the backwards: the graph lives on them
+    for i in range(m):                         # all forwards ...
         if first:
             a = xs[i]
         else:
-            a = torch.empty(input_shape[0] // m, *input_shape[1:])
+            a = torch.empty(input_shape[0] // m, *input_shape[1:])   # the receiver knows the shape
             dist.recv(a, src=rank - 1)
-            a.requires_grad_()
+            a.requires_grad_()                 # so the backward fills a.grad, which goes back to rank - 1
         out = stage(a)
         if last:
             out = loss_fn(out, ys[i]) / m
             total += out.item()
         else:
-            dist.send(out.detach(), dst=rank + 1)
+            dist.send(out.detach(), dst=rank + 1)   # the values only: the graph stays here
         received.append(a)
         outputs.append(out)
-    for i in range(m):
-        grad = None
+    for i in range(m):                         # ... then all backwards, in the same microbatch order
+        grad = None                            # the last rank starts from its loss
         if not last:
             grad = torch.empty_like(outputs[i])
             dist.recv(grad, src=rank + 1)
@@ -49,7 +49,8 @@ GPIPE_SUM_RETURNED = GPIPE_SOLUTION.replace("total += out.item()", "total += out
 assert GPIPE_SUM_RETURNED != GPIPE_SOLUTION
 
 # The received input never marked as needing a gradient: its .grad is None, and nothing can be sent back.
-GPIPE_NO_REQUIRES_GRAD = GPIPE_SOLUTION.replace("            a.requires_grad_()\n", "")
+GPIPE_NO_REQUIRES_GRAD = GPIPE_SOLUTION.replace(
+    "            a.requires_grad_()                 # so the backward fills a.grad, which goes back to rank - 1\n", "")
 assert "requires_grad_" not in GPIPE_NO_REQUIRES_GRAD
 
 # Forward and backward of each microbatch in turn (gradient accumulation through the pipeline): right values,
@@ -116,14 +117,15 @@ def gpipe_step(stage, inputs, targets, loss_fn, n_microbatches, input_shape):
 
 ORDER_SOLUTION = '''%%exercise 08.one_f_one_b
 def one_f_one_b_order(rank, stages, microbatches):
+    # Forwards ahead: one per later stage, the slots before microbatch 0's gradient can come back.
     warm_up = min(stages - 1 - rank, microbatches)
     order = [("F", i) for i in range(warm_up)]
     forward, backward = warm_up, 0
-    while forward < microbatches:
+    while forward < microbatches:              # steady state: one forward, then the oldest backward
         order += [("F", forward), ("B", backward)]
         forward += 1
         backward += 1
-    return order + [("B", i) for i in range(backward, microbatches)]
+    return order + [("B", i) for i in range(backward, microbatches)]   # drain
 '''
 
 # GPipe's order: every forward first.
@@ -147,12 +149,12 @@ ORDER_B_FIRST = ORDER_SOLUTION.replace('order += [("F", forward), ("B", backward
 assert ORDER_B_FIRST != ORDER_SOLUTION
 
 BALANCE_SOLUTION = '''%%exercise 08.balance
-import itertools
-
-
 def balance_stages(layer_costs, stages):
+    import itertools
+
     n = len(layer_costs)
-    best = None
+    best = None                                # (cost of the slowest stage, layers per stage)
+    # Every cut: stages - 1 positions between layers (the cases are small: at most C(9, 3) = 84 cuts).
     for cut in itertools.combinations(range(1, n), stages - 1):
         bounds = (0, *cut, n)
         slowest = max(sum(layer_costs[a:b]) for a, b in zip(bounds, bounds[1:]))

@@ -35,7 +35,9 @@ def _m(outcome: RunOutcome, case: int) -> int:
 def _refused(outcome: RunOutcome) -> list[str]:
     for case, rank, result in each_result(outcome):
         if result.output["problem"]:
-            return [f"{where(outcome, case, rank, _m(outcome, case))}: {result.output['problem']}"]
+            # The problem names the rank whose order it is: every rank calls the function for every rank.
+            return [f"case {case + 1} of {len(outcome.inputs)} ({outcome.nproc} ranks, {_m(outcome, case)} "
+                    f"microbatches): {result.output['problem']}"]
     return []
 
 
@@ -66,15 +68,11 @@ def _alive(outcome: RunOutcome) -> list[str]:
         out = result.output
         bound = min(stages - rank, m)
         if out["peak"] > bound:
-            order = out["order"]
-            first_b = order.index("B0")
+            warm_up = min(stages - 1 - rank, m)
             said = (f"{where(outcome, case, rank, m)}: {out['peak']} microbatches were alive at once (forward run, "
-                    f"backward not yet), 1F1B holds at most stages - rank = {bound}; your order runs "
-                    f"{first_b} forwards before B0")
-            if first_b == m:
-                said += ": every forward before the first backward is GPipe's order"
-            else:
-                said += f", 1F1B's warm-up on rank {rank} is {min(stages - 1 - rank, m)} forwards, then F and B in turn"
+                    f"backward not yet), 1F1B holds at most stages - rank = {bound}: your order runs "
+                    f"{out['order'].index('B0')} forwards before B0, 1F1B's warm-up on rank {rank} is "
+                    f"stages - 1 - rank = {warm_up} (then one forward, one backward, in turn)")
             return [said]
     return []
 
