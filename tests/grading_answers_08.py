@@ -188,3 +188,9 @@ BALANCE_EMPTY_STAGE = '''%%exercise 08.balance
 def balance_stages(layer_costs, stages):
     return [len(layer_costs)] + [0] * (stages - 1)
 '''
+
+# The input's gradient never sent back: rank 0 waits for it for ever (the deadline names it).
+GPIPE_NO_GRAD_SENT = GPIPE_SOLUTION.replace("""        if not first:
+            dist.send(received[i].grad, dst=rank - 1)
+""", "")
+assert GPIPE_NO_GRAD_SENT != GPIPE_SOLUTION
