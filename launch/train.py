@@ -74,9 +74,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if "RANK" in os.environ:  # under torchrun: the world size is known before any rank starts work
         problem = layout_problem(args, int(os.environ["WORLD_SIZE"]))
         if problem:
-            # One line from the first rank of each node, then every rank exits before the group forms.
-            if os.environ.get("LOCAL_RANK", "0") == "0":
-                print(f"train.py: error: {problem}", file=sys.stderr, flush=True)
+            # One line, from the first rank of each node, which exits 2 before the group forms. The other
+            # ranks leave quietly with 0: had one exited 2 first, torchrun would SIGTERM the first rank,
+            # maybe before its line. The job still fails (torchrun: exit 1, root cause local rank 0's 2).
+            if os.environ.get("LOCAL_RANK", "0") != "0":
+                raise SystemExit(0)
+            print(f"train.py: error: {problem}", file=sys.stderr, flush=True)
             raise SystemExit(2)
     return args
 
@@ -287,22 +290,32 @@ class AppState:
 
     `get_state_dict` gives DTensor shards under FSDP2/TP, so every rank writes only
     its own shards, and a load reshards to whatever layout the new run has.
+    The optimizer's state is flattened to one key per parameter name (Adam's moments and
+    its hyperparameters, `flatten_optimizer_state_dict`): nested, its single param group
+    would list one stage's parameters only (DCP keeps one rank's copy of a non-tensor
+    value), and a pipeline stage resumed under another layout would miss its hyperparameters.
     """
 
     def __init__(self, model, optimizer):
         self.model, self.optimizer, self.step = model, optimizer, 0
 
+    @staticmethod
+    def options():
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(flatten_optimizer_state_dict=True)
+
     def state_dict(self):
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options())
         return {"model": model_sd, "optim": optim_sd, "step": self.step}
 
     def load_state_dict(self, state_dict):
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
-                       optim_state_dict=state_dict["optim"])
+                       optim_state_dict=state_dict["optim"], options=self.options())
         self.step = state_dict["step"]
 
 
