@@ -109,14 +109,14 @@ def layout_problem(args: argparse.Namespace, world: int) -> str | None:
         if args.pp == 1:
             return f"--tp {tp} does not divide the world size {world}"
         return f"--pp {args.pp} x tp {tp} = {args.pp * tp} does not divide the world size {world}"
-    if args.parallel == "ddp" and args.dp not in (None, world):
-        return f"--dp {args.dp}: DDP replicates over all {world} ranks"
     args.dp = args.dp or world // (args.pp * tp)
     if args.pp == 1:
         if args.batch % args.dp:
             return f"--batch {args.batch} does not divide among {args.dp} dp ranks"
         return None
     args.microbatches = args.microbatches or args.pp
+    if args.microbatches < args.pp:  # torch's Schedule1F1B refuses fewer (a ValueError on every rank)
+        return f"--microbatches {args.microbatches}: Schedule1F1B needs at least one per stage ({args.pp})"
     if args.batch % (args.dp * args.microbatches):
         return (f"--batch {args.batch} does not divide into dp {args.dp} x {args.microbatches} microbatches "
                 f"(set --batch or --microbatches)")

@@ -107,6 +107,7 @@ def test_bad_layouts_are_one_line_before_any_rank_starts():
     ("--parallel 2d --tp 2", 3, "--tp 2 does not divide the world size 3"),
     ("--parallel 2d --tp 2 --pp 2 --batch 6", 8, "--batch 6 does not divide into dp 2 x 2 microbatches"),
     ("--parallel fsdp --pp 2 --microbatches 0", 4, "--microbatches 0: must be at least 1"),
+    ("--parallel fsdp --pp 2 --microbatches 1", 4, "--microbatches 1: Schedule1F1B needs at least one per stage (2)"),
     ("--parallel fsdp --microbatches 2", 4, "--microbatches 2 needs --pp > 1"),
     ("--parallel fsdp --batch 6", 4, "--batch 6 does not divide among 4 dp ranks"),
 ])
