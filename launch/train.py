@@ -294,16 +294,16 @@ class AppState:
     its hyperparameters, `flatten_optimizer_state_dict`): nested, its single param group
     would list one stage's parameters only (DCP keeps one rank's copy of a non-tensor
     value), and a pipeline stage resumed under another layout would miss its hyperparameters.
+    `flat` is False only while loading a checkpoint saved nested (by train.py before --pp).
     """
 
     def __init__(self, model, optimizer):
-        self.model, self.optimizer, self.step = model, optimizer, 0
+        self.model, self.optimizer, self.step, self.flat = model, optimizer, 0, True
 
-    @staticmethod
-    def options():
+    def options(self):
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-        return StateDictOptions(flatten_optimizer_state_dict=True)
+        return StateDictOptions(flatten_optimizer_state_dict=self.flat)
 
     def state_dict(self):
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -341,12 +341,17 @@ def maybe_resume(app: AppState, args: argparse.Namespace, info: cl.DistInfo) -> 
 
     # Rank 0 chooses and tells the others, so every rank loads the same step even if
     # a shared filesystem shows a new marker to one node a moment before another.
-    found = [newest_complete(args.ckpt_dir) if info.rank == 0 else None]
+    found = [newest_complete(args.ckpt_dir) if info.rank == 0 else None, True]
+    if found[0] is not None:  # the optimizer's format: flattened, or nested (saved before --pp existed)
+        keys = dcp.FileSystemReader(found[0]).read_metadata().state_dict_metadata
+        found[1] = "app.optim.param_groups.0.lr" not in keys
     dist.broadcast_object_list(found, src=0)
     if found[0] is None:
         cl.print0(f"no complete checkpoint in {args.ckpt_dir}: starting at step 1")
         return
+    app.flat = found[1]
     dcp.load({"app": app}, checkpoint_id=found[0])
+    app.flat = True  # saves from here on are flattened
     cl.print0(f"resumed from {found[0].name} (attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}): "
               f"next step {app.step + 1}")
 
