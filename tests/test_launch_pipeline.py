@@ -1,8 +1,9 @@
-"""launch/train.py --pp 2 on 4 CPU ranks through local.sh: PP x FSDP2 equal to one process step by step; its
-checkpoint resumed under FSDP2 without stages and under PP x TP, each equal to one process; bad layouts are one line.
+"""launch/train.py --pp 2 through local.sh: PP x FSDP2 on 4 CPU ranks equal to one process step by step; its
+checkpoint resumed under FSDP2 without stages and under PP x TP, each equal to one process; the 3-D run
+(pp x dp x tp = 2 x 2 x 2) on 8 ranks equal to one process; bad layouts are one line.
 
-Three launches of 4 ranks in all: the first (PP x FSDP2, steps 1-2, a checkpoint at step 2) is shared by the
-two resumes, which each run steps 3-4 from their own copy of its checkpoint.
+Three launches of 4 ranks for the first part: the first (PP x FSDP2, steps 1-2, a checkpoint at step 2) is
+shared by the two resumes, which each run steps 3-4 from their own copy of its checkpoint.
 """
 
 import shutil
@@ -76,19 +77,19 @@ def test_pp_checkpoint_resumes_under_pp_x_tp(pp_fsdp, one_process, tmp_path):
     assert_matches(run, one_process, steps=[3, 4])
 
 
-BAD_LAYOUTS = {  # flags on 4 ranks -> the one line rank 0 prints
-    "--parallel fsdp --pp 2 --dp 1": "--pp 2 x --dp 1 x tp 1 = 2 ranks, not the world size 4",
+BAD_LAYOUTS = {  # flags on 2 ranks -> the one line rank 0 prints
+    "--parallel fsdp --pp 2 --dp 2": "--pp 2 x --dp 2 x tp 1 = 4 ranks, not the world size 2",
     "--parallel fsdp --pp 3": "--pp 3: more stages than the model's 2 decoder layers (each stage holds at least one)",
-    "--parallel fsdp --pp 2 --microbatches 4 --batch 4":
-        "--batch 4 does not divide into dp 2 x 4 microbatches (set --batch or --microbatches)",
+    "--parallel fsdp --pp 2 --microbatches 4 --batch 6":
+        "--batch 6 does not divide into dp 1 x 4 microbatches (set --batch or --microbatches)",
 }
 
 
 @pytest.mark.slow
 def test_bad_layouts_are_one_line_before_any_rank_starts():
-    # All three at once (12 ranks that stop while parsing their flags): one launch's time instead of three.
+    # All three at once (6 ranks that stop while parsing their flags): one launch's time instead of three.
     commands = [["bash", str(LAUNCH / "local.sh"), str(TRAIN), *flags.split()] for flags in BAD_LAYOUTS]
-    run = run_all(commands, launch_env(NPROC="4"), timeout_s=120)
+    run = run_all(commands, launch_env(NPROC="2"), timeout_s=120)
     assert not run.leftovers, run.leftovers
     for (flags, line), rc, out in zip(BAD_LAYOUTS.items(), run.returncodes, run.outputs):
         assert rc == 1, f"{flags}\n{run.explain()}"  # torchrun fails the job: its rank 0 exited 2
