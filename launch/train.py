@@ -1,21 +1,27 @@
-"""Capstone: train a tiny Llama with DDP, FSDP2 or FSDP2 x TP, checkpoint with DCP, resume after a crash.
+"""Capstone: train a tiny Llama with DDP, FSDP2, FSDP2 x TP, and pipeline stages; checkpoint with DCP, resume.
 
 Run (one machine):   NPROC=4 bash launch/local.sh launch/train.py --parallel 2d --tp 2
  or by hand:         torchrun --standalone --nproc-per-node 4 launch/train.py --parallel 2d --tp 2
+Pipeline x FSDP2:    NPROC=4 bash launch/local.sh launch/train.py --parallel fsdp --pp 2
+3-D (8 ranks):       NPROC=8 bash launch/local.sh launch/train.py --parallel 2d --pp 2 --tp 2
 One process, the reference every distributed run must equal:
                      python launch/train.py
 Other launchers (several nodes, SLURM, Kubernetes): launch/README.md.
 
-Everything here is plain PyTorch from the lessons: `init_device_mesh` with ("dp", "tp")
-(lesson 06), `parallelize_module` with the model's own tensor-parallel plan, `fully_shard`
-on mesh["dp"] (lesson 05), `DistributedDataParallel` (lesson 02), and
+Everything here is plain PyTorch from the lessons: `init_device_mesh` with ("dp", "tp"),
+or ("pp", "dp", "tp") with --pp > 1 (lesson 06), `parallelize_module` with the model's own
+tensor-parallel plan, `fully_shard` on mesh["dp"] (lesson 05), `DistributedDataParallel`
+(lesson 02), `PipelineStage` and `Schedule1F1B` on mesh["pp"] (lesson 08), and
 `torch.distributed.checkpoint` with a `Stateful` app state (lesson 07).
 `course_lib` only picks the backend and prints on rank 0.
 
 The global batch is the same on every layout: dp rank r trains on rows
-[r*B/dp, (r+1)*B/dp) of step s's batch, tp ranks of one dp group on the same rows.
-The loss is a mean over equally sized shards, so each step's loss (and the
-final one) equals one process's to float rounding, whatever the layout.
+[r*B/dp, (r+1)*B/dp) of step s's batch, tp ranks of one dp group on the same rows;
+with pipeline stages each dp replica's rows are cut into equal microbatches.
+The loss is a mean over equally sized shards (and microbatches), so each step's loss
+(and the final one) equals one process's to float rounding, whatever the layout.
+A pipeline stage keeps the full model's parameter names, so a checkpoint saved under
+one layout loads under another.
 """
 
 from __future__ import annotations
@@ -45,6 +51,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parallel", choices=("ddp", "fsdp", "2d"), default="2d",
                    help="ddp: replicate; fsdp: FSDP2 over all ranks; 2d: FSDP2 over dp x TP over tp (default)")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size for --parallel 2d (divides the world size)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages, the decoder layers split among them (with --parallel fsdp or 2d)")
+    p.add_argument("--dp", type=int, default=None,
+                   help="data-parallel size (default: the world size / (pp x tp)); pp x dp x tp = world size")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="microbatches per step and dp replica with --pp > 1 (default: pp); divides batch / dp")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--batch", type=int, default=8, help="global batch (rows), divided among the dp ranks")
     p.add_argument("--seq", type=int, default=16)
@@ -58,7 +70,57 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds a collective may wait before failing (torch's default is 30 min for gloo)")
     p.add_argument("--crash-at-step", type=int, default=None,
                    help="rehearse a crash: on the first attempt the last rank SIGKILLs itself before this step")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if "RANK" in os.environ:  # under torchrun: the world size is known before any rank starts work
+        problem = layout_problem(args, int(os.environ["WORLD_SIZE"]))
+        if problem:
+            # One line, from the first rank of each node, which exits 2 before the group forms. The other
+            # ranks leave quietly with 0: had one exited 2 first, torchrun would SIGTERM the first rank,
+            # maybe before its line. The job still fails (torchrun: exit 1, root cause local rank 0's 2).
+            if os.environ.get("LOCAL_RANK", "0") != "0":
+                raise SystemExit(0)
+            print(f"train.py: error: {problem}", file=sys.stderr, flush=True)
+            raise SystemExit(2)
+    return args
+
+
+def layout_problem(args: argparse.Namespace, world: int) -> str | None:
+    """What is wrong with the flags on `world` ranks, in one line; None if nothing. Fills args.dp and args.microbatches."""
+    for name in ("tp", "pp", "dp", "microbatches", "ckpt_every"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            return f"--{name.replace('_', '-')} {value}: must be at least 1"
+    if args.pp > 1 and args.parallel == "ddp":
+        return f"--pp {args.pp} needs --parallel fsdp or 2d (pipeline stages are sharded with FSDP2 here, not DDP)"
+    if args.microbatches is not None and args.pp == 1:
+        return f"--microbatches {args.microbatches} needs --pp > 1 (microbatches are the pipeline's)"
+    layers = LLAMA_CONFIG["num_hidden_layers"]
+    if args.pp > layers:
+        return f"--pp {args.pp}: more stages than the model's {layers} decoder layers (each stage holds at least one)"
+    tp = args.tp if args.parallel == "2d" else 1
+    if tp > 1 and (LLAMA_CONFIG["num_attention_heads"] % tp or LLAMA_CONFIG["num_key_value_heads"] % tp):
+        return (f"--tp {tp} must divide the heads ({LLAMA_CONFIG['num_attention_heads']}) and KV heads "
+                f"({LLAMA_CONFIG['num_key_value_heads']})")
+    if args.dp is not None:
+        if args.pp * args.dp * tp != world:
+            return (f"--pp {args.pp} x --dp {args.dp} x tp {tp} = {args.pp * args.dp * tp} ranks, "
+                    f"not the world size {world}")
+    elif world % (args.pp * tp):
+        if args.pp == 1:
+            return f"--tp {tp} does not divide the world size {world}"
+        return f"--pp {args.pp} x tp {tp} = {args.pp * tp} does not divide the world size {world}"
+    args.dp = args.dp or world // (args.pp * tp)
+    if args.pp == 1:
+        if args.batch % args.dp:
+            return f"--batch {args.batch} does not divide among {args.dp} dp ranks"
+        return None
+    args.microbatches = args.microbatches or args.pp
+    if args.microbatches < args.pp:  # torch's Schedule1F1B refuses fewer (a ValueError on every rank)
+        return f"--microbatches {args.microbatches}: Schedule1F1B needs at least one per stage ({args.pp})"
+    if args.batch % (args.dp * args.microbatches):
+        return (f"--batch {args.batch} does not divide into dp {args.dp} x {args.microbatches} microbatches "
+                f"(set --batch or --microbatches)")
+    return None
 
 
 def batch_for(step: int, args: argparse.Namespace) -> torch.Tensor:
@@ -145,6 +207,82 @@ def apply_tp(model: torch.nn.Module, tp_mesh) -> None:
     parallelize_module(model.model, tp_mesh, plan)
 
 
+# ---------------------------------------------------------------- pipeline stages
+
+class LlamaStage(torch.nn.Module):
+    """Stage `index` of `stages`: a run of consecutive decoder layers of a LlamaForCausalLM.
+
+    The first stage also embeds the tokens, the last applies the final norm and the head.
+    The attributes mirror LlamaForCausalLM's (`model.embed_tokens`, `model.layers.<i>`,
+    `model.norm`, `lm_head`), and the layers sit in a ModuleDict keyed by their index in the
+    whole model, so every parameter keeps the whole model's name: a checkpoint saved under
+    one layout (pipeline or not) loads under another.
+    """
+
+    def __init__(self, llama, index: int, stages: int):
+        super().__init__()
+        n = len(llama.model.layers)
+        lo, hi = index * n // stages, (index + 1) * n // stages  # as even a split as the layers allow
+        self.config, self.model = llama.config, llama.model
+        self.causal_lm_loss = llama.loss_function  # LlamaForCausalLM's own loss (transformers' ForCausalLMLoss)
+        self.model.layers = torch.nn.ModuleDict({str(i): llama.model.layers[i] for i in range(lo, hi)})
+        if index > 0:
+            self.model.embed_tokens = None
+        self.lm_head = llama.lm_head if index == stages - 1 else None
+        if self.lm_head is None:
+            self.model.norm = None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """Token ids (first stage) or hidden states in; hidden states, or logits (last stage), out.
+
+        Each stage rebuilds the positions, the causal mask and the rotary embeddings from its input's
+        shape, as LlamaModel.forward does (transformers 5; no cache in training).
+        """
+        from transformers.masking_utils import create_causal_mask
+
+        model = self.model
+        if model.embed_tokens is not None:
+            h = model.embed_tokens(h)
+        position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None, cache=None,
+                                  position_ids=position_ids)
+        rotary = model.rotary_emb(h, position_ids=position_ids)
+        for layer in model.layers.values():
+            h = layer(h, attention_mask=mask, position_embeddings=rotary, position_ids=position_ids)
+        return self.lm_head(model.norm(h)) if self.lm_head is not None else h
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss per microbatch: the mean cross-entropy of each next token, as one process's."""
+        return self.causal_lm_loss(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
+
+
+def pipeline(model: torch.nn.Module, args: argparse.Namespace, info: cl.DistInfo):
+    """Cut the model into args.pp stages on a ("pp", "dp", "tp") mesh; returns (stage module, stage, schedule, dp rank).
+
+    Ranks are numbered pp-major (torchtitan's order): the pp ranks of one (dp, tp) position form
+    a pipeline, and the stage sends its activations to the next with P2P sends on mesh["pp"].
+    Within a stage: TP on mesh["tp"] (--parallel 2d), then FSDP2 on mesh["dp"], as without stages.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    tp = args.tp if args.parallel == "2d" else 1
+    mesh = init_device_mesh(info.device.type, (args.pp, args.dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    index = mesh["pp"].get_local_rank()
+    stage_model = LlamaStage(model, index, args.pp)
+    if args.parallel == "2d":
+        apply_tp(stage_model, mesh["tp"])
+    for layer in stage_model.model.layers.values():
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(stage_model, mesh=mesh["dp"])  # the stage's root: PipelineStage drives its gradient sync
+    stage = PipelineStage(stage_model, index, args.pp, info.device, group=mesh["pp"].get_group())
+    # 1F1B: the bubble of GPipe, but at most pp microbatches' activations alive at once instead of all of them.
+    # loss_fn is each microbatch's mean; the schedule divides the gradients by the microbatches (scale_grads).
+    schedule = Schedule1F1B(stage, n_microbatches=args.microbatches, loss_fn=stage_model.loss)
+    return stage_model, stage, schedule, mesh["dp"].get_local_rank()
+
+
 # ---------------------------------------------------------------- checkpoints
 
 class AppState:
@@ -152,22 +290,32 @@ class AppState:
 
     `get_state_dict` gives DTensor shards under FSDP2/TP, so every rank writes only
     its own shards, and a load reshards to whatever layout the new run has.
+    The optimizer's state is flattened to one key per parameter name (Adam's moments and
+    its hyperparameters, `flatten_optimizer_state_dict`): nested, its single param group
+    would list one stage's parameters only (DCP keeps one rank's copy of a non-tensor
+    value), and a pipeline stage resumed under another layout would miss its hyperparameters.
+    `flat` is False only while loading a checkpoint saved nested (by train.py before --pp).
     """
 
     def __init__(self, model, optimizer):
-        self.model, self.optimizer, self.step = model, optimizer, 0
+        self.model, self.optimizer, self.step, self.flat = model, optimizer, 0, True
+
+    def options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(flatten_optimizer_state_dict=self.flat)
 
     def state_dict(self):
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options())
         return {"model": model_sd, "optim": optim_sd, "step": self.step}
 
     def load_state_dict(self, state_dict):
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
-                       optim_state_dict=state_dict["optim"])
+                       optim_state_dict=state_dict["optim"], options=self.options())
         self.step = state_dict["step"]
 
 
@@ -193,12 +341,17 @@ def maybe_resume(app: AppState, args: argparse.Namespace, info: cl.DistInfo) -> 
 
     # Rank 0 chooses and tells the others, so every rank loads the same step even if
     # a shared filesystem shows a new marker to one node a moment before another.
-    found = [newest_complete(args.ckpt_dir) if info.rank == 0 else None]
+    found = [newest_complete(args.ckpt_dir) if info.rank == 0 else None, True]
+    if found[0] is not None:  # the optimizer's format: flattened, or nested (saved before --pp existed)
+        keys = dcp.FileSystemReader(found[0]).read_metadata().state_dict_metadata
+        found[1] = "app.optim.param_groups.0.lr" not in keys
     dist.broadcast_object_list(found, src=0)
     if found[0] is None:
         cl.print0(f"no complete checkpoint in {args.ckpt_dir}: starting at step 1")
         return
+    app.flat = found[1]
     dcp.load({"app": app}, checkpoint_id=found[0])
+    app.flat = True  # saves from here on are flattened
     cl.print0(f"resumed from {found[0].name} (attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}): "
               f"next step {app.step + 1}")
 
@@ -222,7 +375,11 @@ def train(args: argparse.Namespace) -> float:
         print("one process (not under torchrun): the reference a distributed run must equal", flush=True)
         info = cl.DistInfo(0, 1, 0, "none", torch.device("cpu"))
     model = make_llama(args.seed).to(info.device)  # same weights on every rank: seeded
-    if distributed:
+    piped = distributed and args.pp > 1
+    if piped:
+        model, stage, schedule, dp_rank = pipeline(model, args, info)  # model: this rank's stage
+        dp_size = args.dp
+    elif distributed:
         model, dp_size, dp_rank = parallelize(model, args, info)
     else:
         dp_size, dp_rank = 1, 0
@@ -239,9 +396,13 @@ def train(args: argparse.Namespace) -> float:
             maybe_resume(app, args, info)
 
     layout = {"ddp": "DDP", "fsdp": "FSDP2", "2d": f"FSDP2 x TP (dp={dp_size}, tp={args.tp})"}[args.parallel]
+    if piped:
+        layout = {"fsdp": f"PP x FSDP2 (pp={args.pp}, dp={dp_size})",
+                  "2d": f"PP x FSDP2 x TP (pp={args.pp}, dp={dp_size}, tp={args.tp})"}[args.parallel]
     if distributed:
         ranks = f"{info.world_size} rank{'s' if info.world_size > 1 else ''}"
-        cl.print0(f"{layout} on {ranks}; global batch {args.batch} = {dp_size} x {rows} rows")
+        split = f"; Schedule1F1B, {args.microbatches} microbatches of {rows // args.microbatches}" if piped else ""
+        cl.print0(f"{layout} on {ranks}; global batch {args.batch} = {dp_size} x {rows} rows{split}")
     loss_value = float("nan")
     first, started = app.step + 1, time.perf_counter()
     for step in range(first, args.steps + 1):
@@ -250,16 +411,21 @@ def train(args: argparse.Namespace) -> float:
             print(f"rank {info.rank}: --crash-at-step {step}: SIGKILL to myself", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         tokens = batch_for(step, args)[dp_rank * rows:(dp_rank + 1) * rows].to(info.device)
-        loss = model(input_ids=tokens, labels=tokens).loss  # mean over this rank's tokens
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # DDP/FSDP average the gradients over dp: the global mean's gradient
+        if piped:
+            optimizer.zero_grad(set_to_none=True)
+            loss = pipeline_step(stage, schedule, tokens)
+        else:
+            loss = model(input_ids=tokens, labels=tokens).loss  # mean over this rank's tokens
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # DDP/FSDP average the gradients over dp: the global mean's gradient
         optimizer.step()
         app.step = step
         # The global loss is the mean of the dp ranks' means (equal shards); tp ranks already agree.
         reported = loss.detach().clone()
         if distributed:
             dist.all_reduce(reported, op=dist.ReduceOp.SUM)
-            reported /= info.world_size  # every rank contributed: dp groups x identical tp copies
+            # every rank contributed: dp groups x identical tp copies (with stages: the last stage's ranks only)
+            reported /= info.world_size // args.pp if piped else info.world_size
         loss_value = reported.item()
         cl.print0(progress(step, args.steps, loss_value, started, first))
         if args.ckpt_dir is not None and distributed and (step % args.ckpt_every == 0 or step == args.steps):
@@ -271,6 +437,21 @@ def train(args: argparse.Namespace) -> float:
     if distributed:
         dist.destroy_process_group()
     return loss_value
+
+
+def pipeline_step(stage, schedule, tokens: torch.Tensor) -> torch.Tensor:
+    """One step of the pipeline (forwards and backwards of every microbatch); returns this rank's loss.
+
+    The first stage feeds the tokens, the last gets them as labels and one loss per microbatch;
+    the loss is their mean (equal microbatches: this replica's mean), 0 on the other stages.
+    """
+    losses: list[torch.Tensor] = []
+    inputs = (tokens,) if stage.is_first else ()
+    labels = tokens if stage.is_last else None  # the loss shifts them by one token, as one process's does
+    schedule.step(*inputs, target=labels, losses=losses if stage.is_last else None, return_outputs=False)
+    if not stage.is_last:
+        return torch.zeros((), device=tokens.device)
+    return torch.stack(losses).mean()
 
 
 if __name__ == "__main__":
