@@ -154,7 +154,7 @@ def balance_stages(layer_costs, stages):
 
     n = len(layer_costs)
     best = None                                # (cost of the slowest stage, layers per stage)
-    # Every cut: stages - 1 positions between layers (the cases are small: at most C(9, 3) = 84 cuts).
+    # Every cut: stages - 1 positions between layers (the cases are small: at most C(9, 4) = 126 cuts).
     for cut in itertools.combinations(range(1, n), stages - 1):
         bounds = (0, *cut, n)
         slowest = max(sum(layer_costs[a:b]) for a, b in zip(bounds, bounds[1:]))
@@ -182,6 +182,35 @@ def balance_stages(layer_costs, stages):
         i += k
     return split + [len(layer_costs) - i]
 '''
+
+# A binary search over the bound with a greedy check, its groups returned as they are: under the best bound the
+# greedy fill can need fewer stages than asked ([4, 8, 2, 2, 2] on 4: [1, 1, 3]).
+BALANCE_BINARY_SEARCH_FEWER_STAGES = '''%%exercise 08.balance
+def balance_stages(layer_costs, stages):
+    def groups(bound):
+        split, total = [0], 0
+        for cost in layer_costs:
+            if split[-1] and total + cost > bound:
+                split.append(0)
+                total = 0
+            split[-1] += 1
+            total += cost
+        return split
+
+    lo, hi = max(layer_costs), sum(layer_costs)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(groups(mid)) <= stages:
+            hi = mid
+        else:
+            lo = mid + 1
+    return groups(lo)
+'''
+
+# The stages' costs returned instead of their layer counts.
+BALANCE_COSTS = BALANCE_SOLUTION.replace("best = (slowest, [b - a for a, b in zip(bounds, bounds[1:])])",
+                                         "best = (slowest, [sum(layer_costs[a:b]) for a, b in zip(bounds, bounds[1:])])")
+assert BALANCE_COSTS != BALANCE_SOLUTION
 
 # A stage may come out empty: a cut list of stage ends, one of them repeated.
 BALANCE_EMPTY_STAGE = '''%%exercise 08.balance

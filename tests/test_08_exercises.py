@@ -156,7 +156,7 @@ WRONG = [
                  id="gpipe-input-without-requires-grad"),
     pytest.param(ORDER, answers.ORDER_GPIPE, {
         ALIVE_2: ("rank 1, case 1 of 2 (2 ranks, 2 microbatches): 2 microbatches were alive at once",
-                  "1F1B's warm-up on rank 1 is stages - 1 - rank = 0"),
+                  "your order runs 2 forwards before B0; 1F1B runs 1 (a warm-up of stages - 1 - rank = 0"),
         TORCH_2: ("your order F0 F1 B0 B1; torch's Schedule1F1B ran F0 B0 F1 B1",),
         ALIVE_4: ("rank 1, case 1 of 2 (4 ranks, 4 microbatches): 4 microbatches were alive",),
         TORCH_4: ("your order F0 F1 F2 F3 B0 B1 B2 B3; torch's Schedule1F1B ran F0 F1 F2 B0 F3 B1 B2 B3",),
@@ -164,7 +164,7 @@ WRONG = [
     pytest.param(ORDER, answers.ORDER_SAME_WARM_UP, {
         ALIVE_2: ("rank 1,", "your order runs 2 forwards before B0"),
         TORCH_2: ("rank 1,",),
-        ALIVE_4: ("rank 1,", "your order runs 4 forwards before B0, 1F1B's warm-up on rank 1 is stages - 1 - rank = 2"),
+        ALIVE_4: ("rank 1,", "your order runs 4 forwards before B0; 1F1B runs 3 (a warm-up of stages - 1 - rank = 2"),
         TORCH_4: ("rank 1,",),
     }, id="order-same-warm-up-on-every-rank"),
     # Counted from the wrong end: a deadlock, named at once with the waiting ranks.
@@ -183,6 +183,14 @@ WRONG = [
     pytest.param(BALANCE, answers.BALANCE_GREEDY, {
         OPTIMAL: ("filling each stage up to the average cost",),
     }, id="balance-greedy-to-the-average"),
+    pytest.param(BALANCE, answers.BALANCE_BINARY_SEARCH_FEWER_STAGES, {
+        VALID: ("rank 1, balance_stages([4, 8, 2, 2, 2], 4) returned [1, 1, 3]: 3 counts for 4 stages; a greedy fill",),
+        OPTIMAL: ("not a valid split",),
+    }, id="balance-binary-search-fewer-stages"),
+    pytest.param(BALANCE, answers.BALANCE_COSTS, {
+        VALID: ("returned [15, 21], 36 layers in all; there are 8: these add up to the layers' total cost",),
+        OPTIMAL: ("not a valid split",),
+    }, id="balance-costs-not-counts"),
     pytest.param(BALANCE, answers.BALANCE_EMPTY_STAGE, {
         VALID: ("returned [8, 0]: every stage needs at least one layer",),
         OPTIMAL: ("not a valid split",),

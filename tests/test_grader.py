@@ -366,8 +366,9 @@ def test_a_gloo_abort_says_what_gloo_said_and_a_deadline_with_no_waiting_rank_ma
              "  what():  [enforce fail at gloo/transport/tcp/pair.cc:446] op.preamble.length <= op.nbytes. "
              "16 vs 4. Received data size doesn't match expected size"]
     said = _gloo_abort(lines)
-    assert "16 vs 4. Received data size doesn't match expected size" in said
-    assert "the ranks' collectives do not match" in said and _gloo_abort(["Aborted"]) == ""
+    assert "16 vs 4. Received data size doesn't match expected size" in said and "enforce fail" not in said
+    assert "16 bytes arrived where the receiver expected 4" in said
+    assert "the ranks' calls do not match" in said and _gloo_abort(["Aborted"]) == ""
     assert "the machine may have been busy" in _maybe_busy(["ranks 0, 1 are still in your function: they are "
                                                            "running Python at cell line 4, before any collective"])
     assert _maybe_busy(["rank 0 is still in your function: it is waiting in recv #1 (40 B, world group)"]) == ""

@@ -230,15 +230,19 @@ def _maybe_busy(diagnosis: list[str]) -> str:
 
 
 def _gloo_abort(lines: list[str]) -> str:
-    """What gloo said before it aborted the process: collectives that do not match across the ranks."""
+    """What gloo said before it aborted the process, without its source path: the ranks' calls do not match
+    (another collective or another size; for send and recv, a receive buffer unlike the tensor sent)."""
     said = next((line for line in reversed(lines) if "enforce fail" in line or "what():" in line), "")
     if not said:
         return ""
-    said = said.split("what():", 1)[-1].strip()
+    said = re.sub(r"\[enforce fail at [^\]]*\]\s*", "", said.split("what():", 1)[-1]).strip()
     if len(said) > 200:
         said = said[:200] + " ..."
-    return (f" (gloo aborted the process: {said}; it does so when the ranks' collectives do not match: another "
-            "call, or another size, on some rank)")
+    sizes = re.search(r"op\.preamble\.length <= op\.nbytes\. (\d+) vs (\d+)", said)
+    arrived = (f": {sizes[1]} bytes arrived where the receiver expected {sizes[2]}" if sizes else "")
+    return (f" (gloo aborted the process: {said}{arrived}. gloo aborts when the ranks' calls do not match: "
+            "another collective or another size on some rank; for send and recv, a receive buffer of another "
+            "shape or dtype than the tensor sent)")
 
 
 MAX_ERROR_CHARS = 500  # of an exception's message in a report

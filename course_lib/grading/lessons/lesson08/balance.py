@@ -15,23 +15,28 @@ from ...spec import Exercise, Item, RunOutcome, RunSpec
 
 __all__ = ["BALANCE", "equal_counts", "greedy_to_average", "optimum", "slowest"]
 
-# (layer costs, stages): each beaten by both equal counts and a greedy fill to the average, but the first.
+# (layer costs, stages): each beaten by both equal counts and a greedy fill to the average, but the first and
+# the third (where the even split is the only one). In the last, a greedy fill under the best bound (8) makes
+# 3 stages of 4: an answer must still return `stages` counts.
 CASES = (
     ((1, 2, 3, 4, 5, 6, 7, 8), 2),
     ((4, 8, 9, 9, 8, 7, 3), 4),
     ((3, 3, 3, 3), 4),
     ((4, 1, 5, 1, 2, 2, 9, 1, 4), 3),
     ((5, 8, 1, 1, 1, 6, 5), 3),
+    ((4, 8, 2, 2, 2), 4),
 )
 
 HINTS = (
-    "Reread lesson 08, section 5: a step lasts as many slots as the pipeline needs at the pace of its slowest "
-    "stage; cutting the model is section 1's stage_of, here with layers of unequal cost.",
+    "Lesson 08's slots (section 5) take every stage's forward as equally long; when stages differ, every slot "
+    "lasts as long as the slowest stage's, so the step runs at its pace. Cutting the model is section 1's "
+    "stage_of, here with layers of unequal cost.",
     "Plain Python: sum, max, itertools.combinations (every cut), or a binary search over the answer; no "
     "torch.distributed call is needed.",
     "A cut is stages - 1 positions between layers; the cost of a cut is its most expensive stage. The cases are "
     "small enough to try every cut and keep the cheapest; for large ones, ask for each bound whether a greedy "
-    "fill that never passes the bound needs at most `stages` stages, and find the smallest bound that does.",
+    "fill that never passes the bound needs at most `stages` stages, and find the smallest bound that does; then "
+    "split groups until there are exactly `stages`, each with at least one layer.",
 )
 
 
@@ -75,11 +80,18 @@ def _invalid(costs, stages, out) -> str:
         return f"returned a {out['returned']}, not a list of ints (layers per stage)"
     split = out["split"]
     if len(split) != stages:
-        return f"returned {split}: {len(split)} counts for {stages} stages"
+        said = f"returned {split}: {len(split)} counts for {stages} stages"
+        if len(split) < stages and min(split, default=0) >= 1 and sum(split) == len(costs):
+            said += ("; a greedy fill under the best bound can need fewer stages than there are: split a group "
+                     "until every stage has a layer")
+        return said
     if min(split) < 1:
         return f"returned {split}: every stage needs at least one layer"
     if sum(split) != len(costs):
-        return f"returned {split}, {sum(split)} layers in all; there are {len(costs)}"
+        said = f"returned {split}, {sum(split)} layers in all; there are {len(costs)}"
+        if sum(split) == sum(costs):
+            said += ": these add up to the layers' total cost; return how many layers each stage gets"
+        return said
     return ""
 
 

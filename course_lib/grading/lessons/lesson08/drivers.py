@@ -164,9 +164,10 @@ def order_problem(orders: dict[int, list[str]], stages: int, m: int) -> str:
 def execute_order(order: list[str], seed: int, stages: int, m: int, rows: int) -> dict:
     """Run `order` on this rank's stage: a forward receives its input from rank - 1 (irecv, waited), a backward
     the gradient of its output from rank + 1; each sends on without waiting (isend, tag = microbatch), waited at
-    the end. On gloo (the checker's backend) a lone isend completes whatever the peer posts next; under NCCL one
-    would pair it with the next receive in one batch_isend_irecv, as the lesson's section 4 does. Back: the loss (last rank), the stage's gradients, the most microbatches alive
-    (forward run, backward not yet: their activations held) at once."""
+    the end. On gloo (the checker's backend) a lone isend does not hold the rank: gloo moves it on its own
+    thread while the rank goes on; under NCCL one would pair it with the next receive in one batch_isend_irecv,
+    as the lesson's section 4 does. Back: the loss (last rank), the stage's gradients, the most microbatches
+    alive (forward run, backward not yet: their activations held) at once."""
     import torch.distributed as dist
     import torch.nn.functional as F
 

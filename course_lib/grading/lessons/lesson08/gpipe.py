@@ -21,7 +21,9 @@ SEED = 8
 
 GPIPE_HINTS = (
     "Reread lesson 08, sections 2-4: what crosses a boundary in each direction, who allocates the buffer, and "
-    "GPipe's order (all forwards, then all backwards), with each microbatch's loss divided by m.",
+    "GPipe's order (all forwards, then all backwards), with each microbatch's loss divided by m. gloo fills a "
+    "receive buffer larger than the message without complaint (only its start), so a wrong shape or dtype "
+    "shows up later, at the layer or the loss.",
     "dist.send / dist.recv (or isend / irecv and wait(), or batch_isend_irecv); Tensor.chunk; "
     "Tensor.requires_grad_(); Tensor.detach(); torch.autograd.backward(tensors, grad_tensors).",
     "Cut the rows into m equal microbatches. Forwards first, microbatch by microbatch: a stage after the first "

@@ -69,10 +69,11 @@ def _alive(outcome: RunOutcome) -> list[str]:
         bound = min(stages - rank, m)
         if out["peak"] > bound:
             warm_up = min(stages - 1 - rank, m)
+            forwards = sum(action[0] == "F" for action in out["order"][: out["order"].index("B0")])  # "F3", "B1"
             said = (f"{where(outcome, case, rank, m)}: {out['peak']} microbatches were alive at once (forward run, "
                     f"backward not yet), 1F1B holds at most stages - rank = {bound}: your order runs "
-                    f"{out['order'].index('B0')} forwards before B0, 1F1B's warm-up on rank {rank} is "
-                    f"stages - 1 - rank = {warm_up} (then one forward, one backward, in turn)")
+                    f"{forwards} forwards before B0; 1F1B runs {bound} (a warm-up of stages - 1 - rank = {warm_up} "
+                    "on this rank, then the forward that goes with B0), then one forward, one backward, in turn")
             return [said]
     return []
 
