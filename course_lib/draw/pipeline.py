@@ -2,7 +2,8 @@
 
 `draw_schedule(timelines)` takes what the ranks published, `{rank: [(kind, microbatch, start_s, end_s),
 ...]}`, kind "F" (forward), "B" (backward) or "W" (weight gradient, for zero-bubble schedules), times from
-each rank's `time.monotonic()`. Ranks on one machine share that clock (CLOCK_MONOTONIC is system-wide on
+each rank's `time.monotonic()`. Other timelines name their own kinds: `kinds={"C": ("#9ecae1", "compute"),
+...}` (colour, legend name), and the second field is then any step index (lesson 09's ring steps). Ranks on one machine share that clock (CLOCK_MONOTONIC is system-wide on
 Linux; the collective ledger uses it too), so their boxes line up on one axis. Ranks on several nodes do not
 share it: their clocks differ by an unknown offset, and a drawing across nodes needs a common reference
 first (e.g. each rank's end of one barrier, as `show_timeline(align="barrier")` does).
@@ -22,10 +23,18 @@ from typing import Any, Mapping, Sequence
 
 from .figures import new_figure, show
 
-__all__ = ["KIND_COLORS", "RankStats", "ScheduleBox", "ScheduleView", "draw_schedule"]
+__all__ = ["KIND_COLORS", "PIPELINE_KINDS", "RankStats", "ScheduleBox", "ScheduleView", "draw_schedule"]
 
 # Forward light, backward dark, weight-gradient green: the colours of the papers' schedule figures.
 KIND_COLORS = {"F": "#9ecae1", "B": "#3182bd", "W": "#74c476"}
+PIPELINE_KINDS = {"F": (KIND_COLORS["F"], "forward"), "B": (KIND_COLORS["B"], "backward"),
+                  "W": (KIND_COLORS["W"], "weight gradient")}
+
+
+def _dark(colour: str) -> bool:
+    """Whether a "#rrggbb" colour is dark enough for a white label (relative luminance under 0.5)."""
+    r, g, b = (int(colour[i : i + 2], 16) / 255 for i in (1, 3, 5))
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b < 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +69,7 @@ class ScheduleView:
         return sum(s.bubble for s in self.stats.values()) / max(len(self.stats), 1)
 
 
-def _checked(timelines: Mapping[int, Sequence]) -> dict[int, list[tuple[str, int, float, float]]]:
+def _checked(timelines: Mapping[int, Sequence], kinds: Mapping[str, Any]) -> dict[int, list[tuple[str, int, float, float]]]:
     if not timelines:
         raise ValueError("draw_schedule: no timelines (publish {rank: [(kind, microbatch, start, end), ...]})")
     out = {}
@@ -70,8 +79,8 @@ def _checked(timelines: Mapping[int, Sequence]) -> dict[int, list[tuple[str, int
             if len(action) != 4:
                 raise ValueError(f"draw_schedule: rank {rank}: {action!r} is not (kind, microbatch, start, end)")
             kind, microbatch, start, end = action
-            if kind not in KIND_COLORS:
-                raise ValueError(f"draw_schedule: rank {rank}: kind {kind!r}, expected one of {list(KIND_COLORS)}")
+            if kind not in kinds:
+                raise ValueError(f"draw_schedule: rank {rank}: kind {kind!r}, expected one of {list(kinds)}")
             if end < start:
                 raise ValueError(f"draw_schedule: rank {rank}: {kind}{microbatch} ends before it starts")
             rows.append((kind, int(microbatch), float(start), float(end)))
@@ -80,13 +89,17 @@ def _checked(timelines: Mapping[int, Sequence]) -> dict[int, list[tuple[str, int
 
 
 def draw_schedule(timelines: Mapping[int, Sequence], *, title: str = "pipeline schedule",
-                  quiet: bool = False) -> ScheduleView:
+                  quiet: bool = False, kinds: Mapping[str, tuple[str, str]] | None = None) -> ScheduleView:
     """Draw each rank's forwards and backwards on one time axis (ms); print their order; return the data.
 
     `timelines`: {rank: [(kind, microbatch, start_s, end_s), ...]} in `time.monotonic()` seconds, as the
-    ranks of one machine published them (see the module's docstring for several machines).
+    ranks of one machine published them (see the module's docstring for several machines). `kinds`:
+    {kind: (colour "#rrggbb", legend name)}, the pipeline's F, B and W unless given.
     """
-    rows = _checked(timelines)
+    kinds = PIPELINE_KINDS if kinds is None else kinds
+    if not kinds or not all(isinstance(v, tuple) and len(v) == 2 for v in kinds.values()):
+        raise ValueError("draw_schedule: kinds maps each kind to (colour, legend name)")
+    rows = _checked(timelines, kinds)
     ranks = sorted(rows)
     actions = [row for rank in ranks for row in rows[rank]]
     origin = min((start for _, _, start, _ in actions), default=0.0)
@@ -108,17 +121,16 @@ def draw_schedule(timelines: Mapping[int, Sequence], *, title: str = "pipeline s
     for box in boxes:
         width = (box.end - box.start) * 1e3
         ax.barh(box.rank, max(width, span * 1e3 * 0.002), left=box.start * 1e3, height=0.7,
-                color=KIND_COLORS[box.kind], edgecolor="black", linewidth=0.4)
+                color=kinds[box.kind][0], edgecolor="black", linewidth=0.4)
         # The microbatch's number, in the box where it fits (about 1% of the axis a digit); white on dark.
         label = str(box.microbatch)
         if width >= span * 1e3 * 0.011 * len(label):
             ax.text(box.start * 1e3 + width / 2, box.rank, label, ha="center", va="center",
-                    fontsize=7, color="white" if box.kind == "B" else "black")
+                    fontsize=7, color="white" if _dark(kinds[box.kind][0]) else "black")
     from matplotlib.patches import Patch
 
-    kinds = [k for k in KIND_COLORS if any(b.kind == k for b in boxes)]
-    names = {"F": "forward", "B": "backward", "W": "weight gradient"}
-    ax.legend(handles=[Patch(facecolor=KIND_COLORS[k], edgecolor="black", label=names[k]) for k in kinds],
+    shown = [k for k in kinds if any(b.kind == k for b in boxes)]
+    ax.legend(handles=[Patch(facecolor=kinds[k][0], edgecolor="black", label=kinds[k][1]) for k in shown],
               fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.set_ylim(max(ranks, default=0) + 0.6, min(ranks, default=0) - 0.6)  # rank 0 on top
