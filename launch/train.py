@@ -1,9 +1,10 @@
-"""Capstone: train a tiny Llama with DDP, FSDP2, FSDP2 x TP, and pipeline stages; checkpoint with DCP, resume.
+"""Capstone: train a tiny Llama with DDP, FSDP2, FSDP2 x TP, pipeline stages or context parallelism; DCP, resume.
 
 Run (one machine):   NPROC=4 bash launch/local.sh launch/train.py --parallel 2d --tp 2
  or by hand:         torchrun --standalone --nproc-per-node 4 launch/train.py --parallel 2d --tp 2
 Pipeline x FSDP2:    NPROC=4 bash launch/local.sh launch/train.py --parallel fsdp --pp 2
 3-D (8 ranks):       NPROC=8 bash launch/local.sh launch/train.py --parallel 2d --pp 2 --tp 2
+Context x FSDP2:     NPROC=4 bash launch/local.sh launch/train.py --parallel fsdp --cp 2 --seq 32
 One process, the reference every distributed run must equal:
                      python launch/train.py
 Other launchers (several nodes, SLURM, Kubernetes): launch/README.md.
@@ -12,14 +13,18 @@ Everything here is plain PyTorch from the lessons: `init_device_mesh` with ("dp"
 or ("pp", "dp", "tp") with --pp > 1 (lesson 06), `parallelize_module` with the model's own
 tensor-parallel plan, `fully_shard` on mesh["dp"] (lesson 05), `DistributedDataParallel`
 (lesson 02), `PipelineStage` and `Schedule1F1B` on mesh["pp"] (lesson 08), and
-`torch.distributed.checkpoint` with a `Stateful` app state (lesson 07).
+`torch.distributed.checkpoint` with a `Stateful` app state (lesson 07). With --cp > 1, a ("dp", "cp", "tp")
+mesh: each cp rank holds a contiguous slice of the sequence, attention crosses the slices by ring attention
+written by hand (ring_attention.py: `batch_isend_irecv` round mesh["cp"], registered with transformers), and
+`fully_shard` runs on the flattened dp x cp mesh (torch's own `context_parallel` fails on CPU in torch 2.13).
 `course_lib` only picks the backend and prints on rank 0.
 
 The global batch is the same on every layout: dp rank r trains on rows
 [r*B/dp, (r+1)*B/dp) of step s's batch, tp ranks of one dp group on the same rows;
-with pipeline stages each dp replica's rows are cut into equal microbatches.
-The loss is a mean over equally sized shards (and microbatches), so each step's loss
-(and the final one) equals one process's to float rounding, whatever the layout.
+with pipeline stages each dp replica's rows are cut into equal microbatches, with cp each
+cp rank takes its slice of the sequence of those rows. The loss is a mean over equally sized shards
+(and microbatches), or with cp a sum over each slice divided by the global number of targets,
+so each step's loss (and the final one) equals one process's to float rounding, whatever the layout.
 A pipeline stage keeps the full model's parameter names, so a checkpoint saved under
 one layout loads under another.
 """
