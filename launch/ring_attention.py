@@ -95,7 +95,7 @@ class RingAttention(torch.autograd.Function):
 
 
 def register(group: dist.ProcessGroup) -> str:
-    """Register ring attention over the cp `group` with transformers' AttentionInterface (transformers >= 4.48).
+    """Register ring attention over the cp `group` with transformers' AttentionInterface (transformers 5.24 here).
 
     The model must get each rank's slice with its global `position_ids` (for the rotary embeddings); the
     causal mask comes from the slices' order, so transformers builds none for "ring" (not a mask interface).
