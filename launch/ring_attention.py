@@ -97,13 +97,14 @@ class RingAttention(torch.autograd.Function):
 def register(group: dist.ProcessGroup) -> str:
     """Register ring attention over the cp `group` with transformers' AttentionInterface (transformers 5.24 here).
 
-    The model must get each rank's slice with its global `position_ids` (for the rotary embeddings); the
-    causal mask comes from the slices' order, so transformers builds none for "ring" (not a mask interface).
+    The model must get each rank's slice with its global `position_ids` (for the rotary embeddings). The
+    causal mask comes from the slices' order: transformers builds no mask for "ring" (it has no mask function
+    registered), so a padding mask given to the model never arrives here; train.py pads nothing.
     """
     from transformers import AttentionInterface
 
     def ring_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        if attention_mask is not None or dropout:
+        if attention_mask is not None or dropout:  # a mask only if a mask function were registered for NAME
             raise ValueError("ring attention here is causal only: no padding mask, no attention dropout")
         groups = query.shape[1] // key.shape[1]  # grouped-query attention: each KV head serves `groups` heads
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
