@@ -1,9 +1,10 @@
-"""Capstone: train a tiny Llama with DDP, FSDP2, FSDP2 x TP, and pipeline stages; checkpoint with DCP, resume.
+"""Capstone: train a tiny Llama with DDP, FSDP2, FSDP2 x TP, pipeline stages or context parallelism; DCP, resume.
 
 Run (one machine):   NPROC=4 bash launch/local.sh launch/train.py --parallel 2d --tp 2
  or by hand:         torchrun --standalone --nproc-per-node 4 launch/train.py --parallel 2d --tp 2
 Pipeline x FSDP2:    NPROC=4 bash launch/local.sh launch/train.py --parallel fsdp --pp 2
 3-D (8 ranks):       NPROC=8 bash launch/local.sh launch/train.py --parallel 2d --pp 2 --tp 2
+Context x FSDP2:     NPROC=4 bash launch/local.sh launch/train.py --parallel fsdp --cp 2 --seq 32
 One process, the reference every distributed run must equal:
                      python launch/train.py
 Other launchers (several nodes, SLURM, Kubernetes): launch/README.md.
@@ -12,14 +13,18 @@ Everything here is plain PyTorch from the lessons: `init_device_mesh` with ("dp"
 or ("pp", "dp", "tp") with --pp > 1 (lesson 06), `parallelize_module` with the model's own
 tensor-parallel plan, `fully_shard` on mesh["dp"] (lesson 05), `DistributedDataParallel`
 (lesson 02), `PipelineStage` and `Schedule1F1B` on mesh["pp"] (lesson 08), and
-`torch.distributed.checkpoint` with a `Stateful` app state (lesson 07).
+`torch.distributed.checkpoint` with a `Stateful` app state (lesson 07). With --cp > 1, a ("dp", "cp", "tp")
+mesh: each cp rank holds a contiguous slice of the sequence, attention crosses the slices by ring attention
+written by hand (ring_attention.py: `batch_isend_irecv` round mesh["cp"], registered with transformers), and
+`fully_shard` runs on the flattened dp x cp mesh (torch's own `context_parallel` fails on CPU in torch 2.13).
 `course_lib` only picks the backend and prints on rank 0.
 
 The global batch is the same on every layout: dp rank r trains on rows
 [r*B/dp, (r+1)*B/dp) of step s's batch, tp ranks of one dp group on the same rows;
-with pipeline stages each dp replica's rows are cut into equal microbatches.
-The loss is a mean over equally sized shards (and microbatches), so each step's loss
-(and the final one) equals one process's to float rounding, whatever the layout.
+with pipeline stages each dp replica's rows are cut into equal microbatches, with cp each
+cp rank takes its slice of the sequence of those rows. The loss is a mean over equally sized shards
+(and microbatches), or with cp a sum over each slice divided by the global number of targets,
+so each step's loss (and the final one) equals one process's to float rounding, whatever the layout.
 A pipeline stage keeps the full model's parameter names, so a checkpoint saved under
 one layout loads under another.
 """
@@ -40,7 +45,9 @@ import torch.distributed as dist
 
 # Run from a checkout without installing course_lib (`python launch/train.py`).
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # ring_attention.py beside this file
 import course_lib as cl  # noqa: E402
+import ring_attention  # noqa: E402
 from course_lib.models import LLAMA_CONFIG, make_llama, make_tokens  # noqa: E402
 
 COMPLETE = "COMPLETE"  # written by rank 0 after dcp.save returned on every rank: this checkpoint is whole
@@ -53,8 +60,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size for --parallel 2d (divides the world size)")
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline stages, the decoder layers split among them (with --parallel fsdp or 2d)")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context parallelism: the sequence cut into this many slices, ring attention across them "
+                        "(with --parallel fsdp or 2d, without --pp); divides --seq")
     p.add_argument("--dp", type=int, default=None,
-                   help="data-parallel size (default: the world size / (pp x tp)); pp x dp x tp = world size")
+                   help="data-parallel size (default: the world size / (pp x cp x tp)); pp x dp x cp x tp = world size")
     p.add_argument("--microbatches", type=int, default=None,
                    help="microbatches per step and dp replica with --pp > 1 (default: pp); divides batch / dp")
     p.add_argument("--steps", type=int, default=8)
@@ -86,12 +96,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def layout_problem(args: argparse.Namespace, world: int) -> str | None:
     """What is wrong with the flags on `world` ranks, in one line; None if nothing. Fills args.dp and args.microbatches."""
-    for name in ("tp", "pp", "dp", "microbatches", "ckpt_every"):
+    for name in ("tp", "pp", "cp", "dp", "microbatches", "ckpt_every", "seq"):
         value = getattr(args, name)
         if value is not None and value < 1:
             return f"--{name.replace('_', '-')} {value}: must be at least 1"
     if args.pp > 1 and args.parallel == "ddp":
         return f"--pp {args.pp} needs --parallel fsdp or 2d (pipeline stages are sharded with FSDP2 here, not DDP)"
+    if args.cp > 1 and args.parallel == "ddp":
+        return (f"--cp {args.cp} needs --parallel fsdp or 2d (FSDP2 averages the slices' gradients over dp x cp "
+                f"here, not DDP)")
+    if args.cp > 1 and args.pp > 1:
+        return f"--cp {args.cp} with --pp {args.pp}: not supported here (context parallelism runs without stages)"
+    if args.seq % args.cp:
+        return f"--seq {args.seq} does not divide into {args.cp} equal slices (--cp {args.cp})"
     if args.microbatches is not None and args.pp == 1:
         return f"--microbatches {args.microbatches} needs --pp > 1 (microbatches are the pipeline's)"
     layers = LLAMA_CONFIG["num_hidden_layers"]
@@ -102,14 +119,16 @@ def layout_problem(args: argparse.Namespace, world: int) -> str | None:
         return (f"--tp {tp} must divide the heads ({LLAMA_CONFIG['num_attention_heads']}) and KV heads "
                 f"({LLAMA_CONFIG['num_key_value_heads']})")
     if args.dp is not None:
-        if args.pp * args.dp * tp != world:
-            return (f"--pp {args.pp} x --dp {args.dp} x tp {tp} = {args.pp * args.dp * tp} ranks, "
-                    f"not the world size {world}")
-    elif world % (args.pp * tp):
+        if args.pp * args.dp * args.cp * tp != world:
+            sizes = f"--pp {args.pp} x --dp {args.dp}" + (f" x --cp {args.cp}" if args.cp > 1 else "")
+            return f"{sizes} x tp {tp} = {args.pp * args.dp * args.cp * tp} ranks, not the world size {world}"
+    elif world % (args.pp * args.cp * tp):
+        if args.cp > 1:
+            return f"--cp {args.cp} x tp {tp} = {args.cp * tp} does not divide the world size {world}"
         if args.pp == 1:
             return f"--tp {tp} does not divide the world size {world}"
         return f"--pp {args.pp} x tp {tp} = {args.pp * tp} does not divide the world size {world}"
-    args.dp = args.dp or world // (args.pp * tp)
+    args.dp = args.dp or world // (args.pp * args.cp * tp)
     if args.pp == 1:
         if args.batch % args.dp:
             return f"--batch {args.batch} does not divide among {args.dp} dp ranks"
@@ -283,6 +302,51 @@ def pipeline(model: torch.nn.Module, args: argparse.Namespace, info: cl.DistInfo
     return stage_model, stage, schedule, mesh["dp"].get_local_rank()
 
 
+# ---------------------------------------------------------------- context parallelism
+
+def context_parallel(model: torch.nn.Module, args: argparse.Namespace, info: cl.DistInfo):
+    """Sequence slices on mesh["cp"] of a ("dp", "cp", "tp") mesh; returns (model, dp rank, cp rank).
+
+    torchtitan's order without stages. The cp ranks of one dp group train on the same rows, each on its own
+    slice of the sequence, so their gradients are parts of one sum: FSDP2 shards (and averages the gradients)
+    over dp AND cp, on the flattened "dp_cp" mesh (torchtitan's dp_shard_cp). TP (--parallel 2d) on
+    mesh["tp"] first, as without cp. Attention crosses the slices by ring attention on mesh["cp"].
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    tp = args.tp if args.parallel == "2d" else 1
+    mesh = init_device_mesh(info.device.type, (args.dp, args.cp, tp), mesh_dim_names=("dp", "cp", "tp"))
+    if args.parallel == "2d":
+        apply_tp(model, mesh["tp"])
+    model.set_attn_implementation(ring_attention.register(mesh["cp"].get_group()))
+    dp_cp = mesh["dp", "cp"]._flatten("dp_cp")  # private in torch 2.13-2.15; torchtitan flattens the same way
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=dp_cp)
+    fully_shard(model, mesh=dp_cp)
+    return model, mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
+
+
+def context_parallel_loss(model, batch: torch.Tensor, rows: slice, cp_rank: int, args: argparse.Namespace,
+                          device: torch.device) -> torch.Tensor:
+    """This rank's share of the global mean loss: its slice's summed cross-entropy x (dp x cp) / all targets.
+
+    The labels are shifted on the whole sequence before it is sliced (a slice's last token predicts the next
+    slice's first); the last slice has one target fewer than the others, so the mean of the slices' means is
+    not one process's mean: a sum over the slice, divided by the global count (known to every rank: each one
+    builds the whole batch). FSDP2 divides the gradients by dp x cp, which the factor undoes.
+    """
+    targets = torch.cat([batch[:, 1:], torch.full_like(batch[:, :1], -100)], dim=1)  # -100: nothing to predict
+    count = (targets != -100).sum()
+    length = args.seq // args.cp
+    cols = slice(cp_rank * length, (cp_rank + 1) * length)
+    positions = torch.arange(cols.start, cols.stop, device=device).unsqueeze(0)  # global: the rotary angles
+    logits = model(input_ids=batch[rows, cols].to(device), position_ids=positions, use_cache=False).logits
+    total = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets[rows, cols].flatten().to(device),
+                                              ignore_index=-100, reduction="sum")
+    return total * (args.dp * args.cp) / count.to(device)
+
+
 # ---------------------------------------------------------------- checkpoints
 
 class AppState:
@@ -376,8 +440,12 @@ def train(args: argparse.Namespace) -> float:
         info = cl.DistInfo(0, 1, 0, "none", torch.device("cpu"))
     model = make_llama(args.seed).to(info.device)  # same weights on every rank: seeded
     piped = distributed and args.pp > 1
+    sliced = distributed and args.cp > 1
     if piped:
         model, stage, schedule, dp_rank = pipeline(model, args, info)  # model: this rank's stage
+        dp_size = args.dp
+    elif sliced:
+        model, dp_rank, cp_rank = context_parallel(model, args, info)
         dp_size = args.dp
     elif distributed:
         model, dp_size, dp_rank = parallelize(model, args, info)
@@ -399,9 +467,14 @@ def train(args: argparse.Namespace) -> float:
     if piped:
         layout = {"fsdp": f"PP x FSDP2 (pp={args.pp}, dp={dp_size})",
                   "2d": f"PP x FSDP2 x TP (pp={args.pp}, dp={dp_size}, tp={args.tp})"}[args.parallel]
+    if sliced:
+        layout = {"fsdp": f"CP x FSDP2 (dp={dp_size}, cp={args.cp})",
+                  "2d": f"CP x FSDP2 x TP (dp={dp_size}, cp={args.cp}, tp={args.tp})"}[args.parallel]
     if distributed:
         ranks = f"{info.world_size} rank{'s' if info.world_size > 1 else ''}"
         split = f"; Schedule1F1B, {args.microbatches} microbatches of {rows // args.microbatches}" if piped else ""
+        if sliced:
+            split = f"; sequence {args.seq} = {args.cp} x {args.seq // args.cp} tokens, ring attention"
         cl.print0(f"{layout} on {ranks}; global batch {args.batch} = {dp_size} x {rows} rows{split}")
     loss_value = float("nan")
     first, started = app.step + 1, time.perf_counter()
@@ -414,6 +487,11 @@ def train(args: argparse.Namespace) -> float:
         if piped:
             optimizer.zero_grad(set_to_none=True)
             loss = pipeline_step(stage, schedule, tokens)
+        elif sliced:
+            loss = context_parallel_loss(model, batch_for(step, args), slice(dp_rank * rows, (dp_rank + 1) * rows),
+                                         cp_rank, args, info.device)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # FSDP2 averages over dp x cp: the global mean's gradient
         else:
             loss = model(input_ids=tokens, labels=tokens).loss  # mean over this rank's tokens
             optimizer.zero_grad(set_to_none=True)
@@ -421,6 +499,7 @@ def train(args: argparse.Namespace) -> float:
         optimizer.step()
         app.step = step
         # The global loss is the mean of the dp ranks' means (equal shards); tp ranks already agree.
+        # With cp, each rank's loss is its share x (dp x cp): the same mean over the world.
         reported = loss.detach().clone()
         if distributed:
             dist.all_reduce(reported, op=dist.ReduceOp.SUM)

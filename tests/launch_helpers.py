@@ -42,6 +42,10 @@ class Run:
     def text(self) -> str:
         return "\n".join(self.outputs)
 
+    def part(self, i: int) -> "Run":
+        """Command i's result alone, when run_all started several at once."""
+        return Run([self.returncodes[i]], [self.outputs[i]], self.elapsed_s, self.leftovers)
+
     def explain(self) -> str:
         tails = "\n".join(f"--- command {i} (rc {rc}):\n{out[-4000:]}"
                           for i, (rc, out) in enumerate(zip(self.returncodes, self.outputs)))
