@@ -16,7 +16,7 @@ tensor-parallel plan, `fully_shard` on mesh["dp"] (lesson 05), `DistributedDataP
 `torch.distributed.checkpoint` with a `Stateful` app state (lesson 07). With --cp > 1, a ("dp", "cp", "tp")
 mesh: each cp rank holds a contiguous slice of the sequence, attention crosses the slices by ring attention
 written by hand (ring_attention.py: `batch_isend_irecv` round mesh["cp"], registered with transformers), and
-`fully_shard` runs on the flattened dp x cp mesh (torch's own `context_parallel` fails on CPU in torch 2.13).
+`fully_shard` runs on the flattened dp x cp mesh (torch's own `context_parallel` fails on CPU in torch 2.13 and 2.15).
 `course_lib` only picks the backend and prints on rank 0.
 
 The global batch is the same on every layout: dp rank r trains on rows

@@ -26,6 +26,7 @@ def test_draw_schedule_draws_kinds_the_caller_names_and_returns_their_data(capsy
     assert view.stats[0].idle_s == pytest.approx(0.1)               # between the post's end and the compute
     legend = [t.get_text() for t in view.fig.axes[0].get_legend().get_texts()]
     assert legend == ["transfer posted", "compute", "wait"]         # in the order `kinds` gives them
+    assert view.fig.axes[0].get_xlabel().endswith("white space: none of the kinds drawn")   # not "waits"
     assert overflow_inches(view.fig) == 0.0
 
 
@@ -34,7 +35,8 @@ def test_draw_schedule_keeps_the_pipeline_kinds_by_default_and_names_bad_kinds_i
     assert [t.get_text() for t in view.fig.axes[0].get_legend().get_texts()] == ["forward", "backward"]
     for timelines, kinds, says in (({0: [("C", 0, 0.0, 1.0)]}, None, "kind 'C', expected one of"),
                                    ({0: [("F", 0, 0.0, 1.0)]}, RING_KINDS, "kind 'F', expected one of"),
-                                   ({0: [("C", 0, 0.0, 1.0)]}, {"C": "#9ecae1"}, r"maps each kind to \(colour")):
+                                   ({0: [("C", 0, 0.0, 1.0)]}, {"C": "#9ecae1"}, r"maps each kind to \(colour"),
+                                   ({0: [("C", 0, 0.0, 1.0)]}, {"C": ("tab:blue", "compute")}, '"#rrggbb"')):
         with pytest.raises(ValueError, match=says) as raised:
             cl.draw_schedule(timelines, quiet=True, kinds=kinds)
         assert "\n" not in str(raised.value)

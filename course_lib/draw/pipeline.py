@@ -19,6 +19,7 @@ idle, the quantity the textbook's `(p - 1) / (m + p - 1)` predicts.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Mapping, Sequence
 
 from .figures import new_figure, show
@@ -94,11 +95,14 @@ def draw_schedule(timelines: Mapping[int, Sequence], *, title: str = "pipeline s
 
     `timelines`: {rank: [(kind, microbatch, start_s, end_s), ...]} in `time.monotonic()` seconds, as the
     ranks of one machine published them (see the module's docstring for several machines). `kinds`:
-    {kind: (colour "#rrggbb", legend name)}, the pipeline's F, B and W unless given.
+    {kind: (colour "#rrggbb", legend name)}, the pipeline's F, B and W unless given. `stats[rank].busy_s` is the
+    time in any drawn kind (a kind drawn for waiting counts too); white space is time in none of them.
     """
     kinds = PIPELINE_KINDS if kinds is None else kinds
-    if not kinds or not all(isinstance(v, tuple) and len(v) == 2 for v in kinds.values()):
-        raise ValueError("draw_schedule: kinds maps each kind to (colour, legend name)")
+    if not kinds or not all(isinstance(v, tuple) and len(v) == 2 and re.fullmatch(r"#[0-9a-fA-F]{6}", str(v[0]))
+                            for v in kinds.values()):
+        raise ValueError('draw_schedule: kinds maps each kind to (colour "#rrggbb", legend name)')
+    drawn_pipeline = kinds is PIPELINE_KINDS
     rows = _checked(timelines, kinds)
     ranks = sorted(rows)
     actions = [row for rank in ranks for row in rows[rank]]
@@ -135,7 +139,8 @@ def draw_schedule(timelines: Mapping[int, Sequence], *, title: str = "pipeline s
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.set_ylim(max(ranks, default=0) + 0.6, min(ranks, default=0) - 0.6)  # rank 0 on top
     ax.set_xlim(0, span * 1e3 if span > 0 else 1.0)
-    ax.set_xlabel("time (ms) from the first action; white space: the rank waits (idle)")
+    ax.set_xlabel("time (ms) from the first action; white space: "
+                  + ("the rank waits (idle)" if drawn_pipeline else "none of the kinds drawn"))
     ax.set_title(title, fontsize=10)
     if not quiet:
         print("\n".join(lines))

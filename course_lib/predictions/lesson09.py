@@ -69,8 +69,9 @@ PREDICTIONS: dict[str, Prediction] = {
         explanation=("each rank holds s/p = 256 rows; its k and v, stacked, are 2 x 4 heads x 256 x 32 x 4 bytes "
                      "= 262,144 bytes, one message a step. A block visits the other p - 1 = 3 ranks, so rank 0 "
                      "sends 3 messages, 786,432 bytes: (p - 1)/p of the whole sequence's k and v, as an "
-                     "all-gather of them would move. Per rank it hardly shrinks as p grows, while the compute "
-                     "per rank falls as 1/p: overlap gets harder the more ranks share the sequence."),
+                     "all-gather of them would move. Per rank it grows toward the whole sequence's k and v as p "
+                     "grows (1/2 on 2 ranks, 3/4 on 4), while the compute per rank falls as 1/p: overlap gets "
+                     "harder the more ranks share the sequence."),
         unit="",
     ),
     "09.scores_per_rank": Prediction(
@@ -81,8 +82,10 @@ PREDICTIONS: dict[str, Prediction] = {
         formula=_scores_formula,
         explanation=("each rank's s/p = 256 queries meet every one of the s = 1,024 keys, block by block, in "
                      "each of the 4 heads: 4 x 256 x 1,024 = 1,048,576 scores, 1/p of one process's "
-                     "4 x 1,024 x 1,024. The quadratic term is split p ways, and no rank ever holds more than "
-                     "one block's s/p x s/p tile of it at once (its log-sum-exp carries the rest)."),
+                     "4 x 1,024 x 1,024: the quadratic compute is split p ways. This hand-written ring keeps "
+                     "every tile for backward (autograd saves each tile's scores and probabilities: "
+                     "2 x heads x (s/p) x s x 4 bytes a rank, 8 MiB here); a fused kernel per block saves only "
+                     "the log-sum-exp and recomputes the tile in backward, as launch/ring_attention.py does."),
         unit="scores",
     ),
     "09.causal_tiles": Prediction(
@@ -93,7 +96,7 @@ PREDICTIONS: dict[str, Prediction] = {
         formula=_tiles_formula,
         explanation=("cut the sequence into 2p = 8 chunks; query chunk c needs key chunks 0 to c: c + 1 tiles. "
                      "Contiguous, rank r holds chunks 2r and 2r + 1: 4r + 3 tiles, 3 on rank 0 and 15 on rank "
-                     "3, five times the work, and every ring step waits for the busiest rank. Zigzag, rank r "
+                     "3, five times the work, and the ring lasts at least as long as its busiest rank's compute. Zigzag, rank r "
                      "holds chunks r and 2p - 1 - r: (r + 1) + (2p - r) = 2p + 1 = 9 tiles on every rank; the "
                      "total, p(2p + 1) = 36, is the same."),
         unit="tiles",
