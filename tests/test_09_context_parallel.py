@@ -1,6 +1,6 @@
-"""Lesson 09 (context parallelism), part 1: `cl.draw_schedule` with kinds of the caller's own (the ring's post,
-compute and wait), the causal tile count behind `09.causal_tiles` against a count over real positions, and the
-predictions' measures against their formulas.
+"""Lesson 09 (context parallelism): `cl.draw_schedule` with kinds of the caller's own (the ring's post, compute
+and wait), the causal tile count behind `09.causal_tiles` against a count over real positions, and the
+predictions' measures against their formulas (the ring's bytes, scores, tiles and Ulysses' all-to-all bytes).
 
 Fast, single-process: the lesson's runs themselves are checked under nbval (notebooks/09_context_parallel.ipynb).
 """
@@ -12,7 +12,7 @@ import pytest
 import course_lib as cl
 from course_lib.draw.figures import overflow_inches
 from course_lib.predictions import LESSONS, all_predictions, prediction
-from course_lib.predictions.lesson09 import causal_tiles, kept_isends
+from course_lib.predictions.lesson09 import causal_tiles, kept_isends, sent_to_others
 
 RING_KINDS = {"P": ("#fd8d3c", "transfer posted"), "C": ("#9ecae1", "compute"), "R": ("#3182bd", "wait")}
 
@@ -70,7 +70,7 @@ def _ledger(*isend_bytes: int, warm_up: int = 0) -> list[dict]:
 def test_the_lessons_predictions_are_registered():
     assert "09" in LESSONS
     assert sorted(p for p in all_predictions() if p.startswith("09.")) == [
-        "09.causal_tiles", "09.ring_bytes", "09.scores_per_rank"]
+        "09.causal_tiles", "09.ring_bytes", "09.scores_per_rank", "09.ulysses_bytes"]
 
 
 def test_ring_bytes_counts_the_kept_rings_isends_only_and_catches_a_ring_that_sends_k_and_v_apart():
@@ -95,3 +95,36 @@ def test_scores_per_rank_and_causal_tiles_measure_what_the_ranks_published():
     assert tiles.measure(causal, {}) == tiles.formula(causal) == (3, 15, 9)
     causal["causal"][0]["zigzag"]["tiles"] = 3                       # a "zigzag" run that was contiguous
     assert tiles.measure(causal, {}) != tiles.formula(causal)
+
+
+def _a2a(*shapes: list[int]) -> list[dict]:
+    """A ledger of all_to_all_single calls, float32, as the ledger records them: input shapes and bytes."""
+    calls = [{"op": "barrier"}]
+    for shape in shapes:
+        n = 4
+        for d in shape:
+            n *= d
+        calls.append({"op": "all_to_all_single", "shapes": [shape], "bytes": n})
+    return calls
+
+
+def test_ulysses_bytes_counts_the_forwards_two_all_to_alls_without_the_piece_that_stays():
+    spec = prediction("09.ulysses_bytes")
+    results = {"ulysses4": {r: {"shape": [1, 4, 512, 32]} for r in range(4)}}
+    qkv, out = [4, 3, 1, 1, 128, 32], [4, 1, 1, 1, 128, 32]       # what seq_to_heads / heads_to_seq send
+    ledgers = {0: _a2a(qkv, out, out, qkv)}                         # forward 2, then backward 2
+    assert sent_to_others(ledgers[0][1]) == 3 * 65536 * 3 // 4
+    assert spec.measure(results, ledgers) == spec.formula(results) == 196_608
+    assert spec.formula(results) * 2 == 3 * 2 * 4 * 128 * 32 * 4   # half the ring's 3 blocks of k and v at p = 4
+    everything = sum(c["bytes"] for c in ledgers[0][1:3])           # the own piece counted as sent
+    assert everything != spec.formula(results)
+    three = {0: _a2a([4, 1, 1, 1, 128, 32], [4, 1, 1, 1, 128, 32], [4, 1, 1, 1, 128, 32], out)}  # q, k, v apart
+    assert spec.measure(results, three) != spec.formula(results)    # only 2 forward calls counted: q, k, v as one
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_ulysses_bytes_formula_is_two_over_p_of_the_rings(p):
+    spec = prediction("09.ulysses_bytes")
+    results = {"ulysses4": {r: {"shape": [1, 8, 1024, 16]} for r in range(p)}}
+    ring = prediction("09.ring_bytes").formula({"ring4": {r: {"shape": [1, 8, 1024, 16]} for r in range(p)}})[1]
+    assert spec.formula(results) * p == 2 * ring

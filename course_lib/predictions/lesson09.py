@@ -3,15 +3,16 @@
 Each measures from what a run cell of notebooks/09_context_parallel.ipynb published (`cl.results`) and from
 the ledger of the cell that published it: the messages and bytes rank 0 sends in one ring-attention forward
 on 4 ranks (the ledger's `batch_isend_irecv` records, their "ops" lists), the attention scores each rank
-computes there (counted on the ranks), and the score tiles ranks compute under a causal mask with the
-contiguous and the zigzag split (counted on the ranks).
+computes there (counted on the ranks), the score tiles ranks compute under a causal mask with the
+contiguous and the zigzag split (counted on the ranks), and the bytes rank 0 sends to the other ranks in one
+Ulysses forward (the ledger's `all_to_all_single` records).
 """
 
 from __future__ import annotations
 
 from .spec import Prediction
 
-__all__ = ["PREDICTIONS", "causal_tiles", "kept_isends"]
+__all__ = ["PREDICTIONS", "causal_tiles", "kept_isends", "sent_to_others"]
 
 FLOAT32 = 4  # bytes
 
@@ -59,6 +60,25 @@ def _tiles_formula(results) -> tuple:
     return causal_tiles(0, p, False), causal_tiles(p - 1, p, False), causal_tiles(0, p, True)
 
 
+def sent_to_others(call: dict) -> int:
+    """Bytes an even all_to_all_single sends to the other ranks: its input's first dimension holds one piece per
+    rank (`shapes[0][0]` pieces), and the piece for the rank itself stays."""
+    pieces = call["shapes"][0][0]
+    return call["bytes"] - call["bytes"] // pieces
+
+
+def _ulysses_measured(results, ledgers) -> int:
+    forward = [c for c in ledgers[0] if c["op"] == "all_to_all_single"][:2]   # q, k, v out; the output back
+    return sum(sent_to_others(c) for c in forward)
+
+
+def _ulysses_formula(results) -> int:
+    p = len(results["ulysses4"])
+    _, heads, s, dim = results["ulysses4"][0]["shape"]
+    rows = heads * (s // p) * dim * FLOAT32                # one of q, k, v, out: this rank's rows, every head
+    return (p - 1) * 4 * rows // p                         # q, k, v and the output, (p - 1)/p of each leaves
+
+
 PREDICTIONS: dict[str, Prediction] = {
     "09.ring_bytes": Prediction(
         id="09.ring_bytes",
@@ -100,5 +120,19 @@ PREDICTIONS: dict[str, Prediction] = {
                      "holds chunks r and 2p - 1 - r: (r + 1) + (2p - r) = 2p + 1 = 9 tiles on every rank; the "
                      "total, p(2p + 1) = 36, is the same."),
         unit="tiles",
+    ),
+    "09.ulysses_bytes": Prediction(
+        id="09.ulysses_bytes",
+        question="Ulysses forward on 4 ranks (s = 512, 4 heads of 32, float32): bytes rank 0 sends to the other ranks",
+        needs="ulysses4",
+        measure=_ulysses_measured,
+        formula=_ulysses_formula,
+        explanation=("rank 0 holds s/p = 128 rows of q, k and v: 4 heads x 128 x 32 x 4 bytes = 65,536 bytes "
+                     "each. The first all-to-all sends q, k and v, the second the output: 4 x 65,536 bytes, of "
+                     "which 1/p, the piece of its own heads, stays: 3/4 x 262,144 = 196,608 bytes. The ring sends "
+                     "k and v, 131,072 bytes, p - 1 = 3 times: 393,216 bytes. Ulysses over the ring: "
+                     "(4(p - 1)/p) / (2(p - 1)) = 2/p, the same at p = 2, half at p = 4; Ulysses' bytes per rank "
+                     "fall as 1/p, the ring's stay near the whole sequence's k and v."),
+        unit="B",
     ),
 }
