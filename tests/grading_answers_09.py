@@ -85,6 +85,30 @@ RING_ONLINE_EXTRA_HOP = (RING_ONLINE_SOLUTION.replace("        last = hop == p -
                          .replace("    for hop in range(p):\n", "    for hop in range(p):\n"))
 assert "last = False" in RING_ONLINE_EXTRA_HOP
 
+# k and v as two tensors, an isend and an irecv each, waited after the compute: right, done differently.
+RING_ONLINE_SEPARATE = RING_ONLINE_SOLUTION.replace('''            arriving = torch.empty_like(held)
+            pending = dist.batch_isend_irecv([dist.P2POp(dist.isend, held, after),
+                                              dist.P2POp(dist.irecv, arriving, before)])''','''            arriving = torch.empty_like(held)
+            ka, va = arriving[..., :width], arriving[..., width:]
+            kb, vb = torch.empty_like(k), torch.empty_like(v)
+            pending = [dist.isend(held[..., :width].contiguous(), after), dist.isend(held[..., width:].contiguous(), after),
+                       dist.irecv(kb, before), dist.irecv(vb, before)]''').replace('''            held = arriving
+    return''','''            held = torch.cat((kb, vb), dim=-1)
+    return''')
+assert RING_ONLINE_SEPARATE != RING_ONLINE_SOLUTION
+# The log-sum-exp taken with torch.logsumexp (refused: the exercise carries the running state itself).
+RING_ONLINE_LOGSUMEXP = RING_ONLINE_SOLUTION.replace("(row_max + torch.log(denom)).squeeze(-1)", "torch.logsumexp(torch.log(denom) + row_max, -1)")
+# Blocking send and recv, ordered by the rank's parity so that they cannot deadlock: right values, no overlap.
+RING_ONLINE_BLOCKING = RING_ONLINE_SOLUTION.replace('''            arriving = torch.empty_like(held)
+            pending = dist.batch_isend_irecv([dist.P2POp(dist.isend, held, after),
+                                              dist.P2POp(dist.irecv, arriving, before)])''','''            arriving = torch.empty_like(held)
+            if rank % 2 == 0:
+                dist.send(held, after); dist.recv(arriving, before)
+            else:
+                dist.recv(arriving, before); dist.send(held, after)
+            pending = []''')
+assert RING_ONLINE_BLOCKING != RING_ONLINE_SOLUTION
+
 RING_BACKWARD_SOLUTION = '''%%exercise 09.ring_backward
 import math
 import torch

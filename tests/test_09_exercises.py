@@ -119,6 +119,19 @@ def test_solution_scores_full_marks(exercise_id, ranks):
     assert_full_marks(exercise_id, SOLUTIONS[exercise_id], ranks=ranks)
 
 
+def test_a_ring_of_two_tensors_each_step_scores_full_marks(ranks):
+    assert_full_marks(ONLINE, answers.RING_ONLINE_SEPARATE, ranks=ranks)
+
+
+def test_torch_logsumexp_is_refused_in_one_line(ranks):
+    items = check_exercise(exercise(ONLINE), answers.RING_ONLINE_LOGSUMEXP, ranks=ranks)
+    assert sum(item.score for item in items) == 0
+    for item in items:
+        assert re.fullmatch(r"rank \d raised at cell line \d+: RuntimeError: torch.logsumexp is not allowed here: "
+                            r"carry each query row's running max and sum of exponentials yourself \(lse = m \+ "
+                            r"log\(l\)\)", item.message), item.message
+
+
 @pytest.mark.parametrize("exercise_id", IDS)
 def test_stub_scores_zero_and_says_what_to_write_once(exercise_id, ranks):
     assert_stub_scores_zero_with_its_first_hint_once(exercise_id, STUBS[exercise_id], ranks=ranks)
@@ -164,6 +177,10 @@ WRONG = [
         OVERLAP[0]: ("rank 0, case 1 of 3", "receive 1 (from rank 1) was waited for right after it was posted"),
         OVERLAP[1]: ("receive 1 (from rank 3) was waited for right after it was posted",),
     }, id="online-transfer-waited-before-the-compute"),
+    pytest.param(ONLINE, answers.RING_ONLINE_BLOCKING, {
+        OVERLAP[0]: ("receive 1 (from rank 1) was waited for right after it was posted", "dist.send and dist.recv wait"),
+        OVERLAP[1]: ("receive 1 (from rank 3) was waited for right after it was posted",),
+    }, id="online-blocking-send-and-recv"),
     pytest.param(ONLINE, answers.RING_ONLINE_EXTRA_HOP, {
         TRANSFERS[0]: ("sent 2,048 bytes in 2 message(s); expected 1,024: p - 1 transfers",),
         TRANSFERS[1]: ("sent 4,096 bytes in 4 message(s); expected 3,072",),
