@@ -67,10 +67,6 @@ def case_inputs(nproc: int, case: Case, names: tuple[str, ...]) -> dict[int, tup
                   for name in names), list(positions), causal) for r in range(nproc)}
 
 
-def case_of(outcome: RunOutcome, case: int, cases: tuple) -> Case:
-    return cases[case]
-
-
 def where(outcome: RunOutcome, case: int, rank: int, cases: tuple) -> str:
     s, heads, dim, causal, zigzag, _ = cases[case]
     split = "zigzag" if zigzag else "contiguous"

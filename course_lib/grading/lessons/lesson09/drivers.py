@@ -48,10 +48,10 @@ class _Refused(torch.overrides.TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def _recorded(computes: list, waits: list, messages: list):
+def _recorded(computes: list, waits: list, messages: list, refuse: bool):
     """While inside: computes (times), waits ([start, end]) and point-to-point messages (["send" | "recv", peer,
-    bytes, posted, returned], from the process group's methods, alone or inside batch_isend_irecv) recorded; put back on the way
-    out."""
+    bytes, posted, returned], from the process group's methods, alone or inside batch_isend_irecv) recorded; with
+    `refuse`, torch.logsumexp and torch.logaddexp raise. All put back on the way out."""
     cpp = torch._C._distributed_c10d
     saved = [(cpp.Work, "wait", cpp.Work.wait), (cpp.ProcessGroup, "send", cpp.ProcessGroup.send),
              (cpp.ProcessGroup, "recv", cpp.ProcessGroup.recv)]
@@ -81,7 +81,7 @@ def _recorded(computes: list, waits: list, messages: list):
 
     cpp.Work.wait, cpp.ProcessGroup.send, cpp.ProcessGroup.recv = wait, send, recv
     try:
-        with _Computes(computes), _Refused():
+        with _Computes(computes), (_Refused() if refuse else contextlib.nullcontext()):
             yield
     finally:
         for owner, name, original in saved:
@@ -98,7 +98,7 @@ def _tensor(value, name: str):
 def ring_forward(fn, q, k, v, positions, causal):
     """09.ring_online: the learner's (out, lse) for this rank's rows, with when it computed and waited."""
     computes, waits, messages = [], [], []
-    with _recorded(computes, waits, messages):
+    with _recorded(computes, waits, messages, refuse=True):
         got = fn(q.clone(), k.clone(), v.clone(), [p.clone() for p in positions], causal)
     if not isinstance(got, (tuple, list)) or len(got) != 2:
         return {"returned": f"returned a {describe(got)}, not a pair (out, lse)"}
@@ -111,7 +111,7 @@ def ring_forward(fn, q, k, v, positions, causal):
 def ring_backward(fn, q, k, v, out, lse, grad_out, positions, causal):
     """09.ring_backward: the learner's (dq, dk, dv) for this rank's rows."""
     computes, waits, messages = [], [], []
-    with _recorded(computes, waits, messages):
+    with _recorded(computes, waits, messages, refuse=False):
         got = fn(q.clone(), k.clone(), v.clone(), out.clone(), lse.clone(), grad_out.clone(),
                  [p.clone() for p in positions], causal)
     if not isinstance(got, (tuple, list)) or len(got) != 3:
