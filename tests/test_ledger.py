@@ -9,7 +9,7 @@ import subprocess
 import sys
 import textwrap
 
-from course_lib.launcher.diagnosis import cell_line, describe_stuck, importing, rank_where
+from course_lib.launcher.diagnosis import cell_line, describe_stuck, importing, rank_state, rank_where
 from course_lib.rank.ledger import LedgerReader, read_ledger
 
 RECORD_SCRIPT = textwrap.dedent("""
@@ -240,3 +240,14 @@ def test_batch_isend_irecv_records_its_ops_bytes_and_peers(tmp_path):
         [entry] = read_ledger(str(tmp_path / f"ledger{rank}.jsonl"))
         assert entry["op"] == "batch_isend_irecv" and entry["bytes"] == sent + received
         assert entry["ops"] == [["isend", 1 - rank, sent], ["irecv", 1 - rank, received]]
+
+
+def test_a_rank_inside_a_wrapped_work_wait_is_waiting_for_its_posted_transfer():
+    # A grader's driver (lesson 09) wraps Work.wait in Python, so the wait shows as the innermost frame.
+    posted = {"seq": 1, "op": "batch_isend_irecv", "group": "world", "bytes": 2048, "end": 1.0, "async": True}
+    stack = ('Current thread 0x2 (most recent call first):\n  File "/x/lesson09/drivers.py", line 58 in wait\n'
+             '  File "<cell>", line 36 in ring_attention_online\n')
+    assert rank_state([posted], stack) == ("{be} waiting in wait() at cell line 36, on a transfer posted by "
+                                           "batch_isend_irecv #1 (2 KiB, world group) or earlier")
+    computing = stack.replace(' in wait\n', ' in helper\n')
+    assert rank_state([posted], computing).startswith("last completed batch_isend_irecv #1")

@@ -85,6 +85,16 @@ def _main_thread(stack: str) -> str:
     return stack.split("Current thread", 1)[-1] if "Current thread" in stack else stack
 
 
+_INNERMOST_WAIT = re.compile(r'File "[^"]*", line \d+ in wait\n')
+
+
+def _in_wait(stack: str) -> bool:
+    """The main thread's innermost frame is a Python `wait` (a wrapper of torch's Work.wait, which is C++ and
+    shows no frame of its own)."""
+    frames = _main_thread(stack).split("(most recent call first):", 1)[-1].lstrip("\n")
+    return bool(_INNERMOST_WAIT.match(frames.lstrip()))
+
+
 def cell_line(stack: str) -> int | None:
     """The innermost cell line of the main thread in a faulthandler dump (most recent call first)."""
     match = _CELL_FRAME.search(_main_thread(stack))
@@ -136,6 +146,10 @@ def rank_state(ledger: list[dict], stack: str) -> str:
     if module is not None and not ledger:
         return f"{{be}} {STARTING_UP} ({_importing_at(module, line)})"
     where = f"running Python at cell line {line}" if line is not None else "running Python"
+    posted = [e for e in ledger if e["end"] is not None and e["async"]]
+    if posted and _in_wait(stack):  # a grader's driver wraps Work.wait in Python (lesson 09): its frame shows
+        at = f" at cell line {line}" if line is not None else ""
+        return f"{{be}} waiting in wait(){at}, on a transfer posted by {_what(posted[-1])} or earlier"
     if module is not None:
         where = _importing_at(module, line)
     if ledger and ledger[-1].get("error"):

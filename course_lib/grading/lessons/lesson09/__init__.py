@@ -1,0 +1,1 @@
+"""Lesson 09: context parallelism."""

@@ -1,0 +1,157 @@
+"""The rank side of lesson 09: context parallelism: how each exercise calls the learner's function.
+
+Runs on the ranks, in the learner's process (see course_lib/grading/drivers.py for the rules every driver
+follows: copy the inputs, return plain data). The ring drivers also record, on `time.monotonic()` (the
+ledger's clock), when the learner's code computes (each matmul-like torch call, seen by a TorchFunctionMode)
+and when it waits for a transfer (each `Work.wait()`), so that a judge can tell a transfer in flight during a
+compute from one waited for first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import time
+
+import torch
+
+from ...drivers import describe
+
+__all__ = ["ring_backward", "ring_forward", "zigzag"]
+
+# Torch calls that compute scores or a weighted sum of values: what "computing with a block" means here.
+COMPUTE = frozenset(("matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "baddbmm", "einsum",
+                     "scaled_dot_product_attention"))
+
+
+class _Computes(torch.overrides.TorchFunctionMode):
+    """Appends the time of every matmul-like call made inside it to `times`."""
+
+    def __init__(self, times: list):
+        super().__init__()
+        self.times = times
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in COMPUTE:
+            self.times.append(time.monotonic())
+        return func(*args, **(kwargs or {}))
+
+
+class _Refused(torch.overrides.TorchFunctionMode):
+    """torch.logsumexp and torch.logaddexp raise one line: the exercise carries the running max and sum."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("logsumexp", "logaddexp"):
+            raise RuntimeError(f"torch.{func.__name__} is not allowed here: carry each query row's running max "
+                               "and sum of exponentials yourself (lse = m + log(l))")
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _recorded(computes: list, waits: list, messages: list, refuse: bool):
+    """While inside: computes (times), waits ([start, end]) and point-to-point messages (["send" | "recv", peer,
+    bytes, posted, returned], from the process group's methods, alone or inside batch_isend_irecv) recorded; with
+    `refuse`, torch.logsumexp and torch.logaddexp raise. All put back on the way out."""
+    cpp = torch._C._distributed_c10d
+    saved = [(cpp.Work, "wait", cpp.Work.wait), (cpp.ProcessGroup, "send", cpp.ProcessGroup.send),
+             (cpp.ProcessGroup, "recv", cpp.ProcessGroup.recv)]
+    wait_, send_, recv_ = (original for _, _, original in saved)
+
+    def wait(self, *args, **kwargs):
+        start = time.monotonic()
+        try:
+            return wait_(self, *args, **kwargs)
+        finally:
+            waits.append([start, time.monotonic()])
+
+    def nbytes(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def send(self, tensors, peer, tag=0):
+        start = time.monotonic()
+        work = send_(self, tensors, peer, tag)
+        messages.append(["send", int(peer), nbytes(tensors), start, time.monotonic()])
+        return work
+
+    def recv(self, tensors, peer, tag=0):
+        start = time.monotonic()
+        work = recv_(self, tensors, peer, tag)
+        messages.append(["recv", int(peer), nbytes(tensors), start, time.monotonic()])
+        return work
+
+    cpp.Work.wait, cpp.ProcessGroup.send, cpp.ProcessGroup.recv = wait, send, recv
+    try:
+        with _Computes(computes), (_Refused() if refuse else contextlib.nullcontext()):
+            yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+def _tensor(value, name: str):
+    """A returned tensor on the CPU, detached; or None and what it was instead."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone(), ""
+    return None, f"{name} is a {describe(value)}"
+
+
+def ring_forward(fn, q, k, v, positions, causal):
+    """09.ring_online: the learner's (out, lse) for this rank's rows, with when it computed and waited."""
+    computes, waits, messages = [], [], []
+    with _recorded(computes, waits, messages, refuse=True):
+        got = fn(q.clone(), k.clone(), v.clone(), [p.clone() for p in positions], causal)
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        return {"returned": f"returned a {describe(got)}, not a pair (out, lse)"}
+    out, wrong_out = _tensor(got[0], "out")
+    lse, wrong_lse = _tensor(got[1], "lse")
+    return {"returned": wrong_out or wrong_lse, "out": out, "lse": lse, "computes": computes, "waits": waits,
+            "messages": messages}
+
+
+def ring_backward(fn, q, k, v, out, lse, grad_out, positions, causal):
+    """09.ring_backward: the learner's (dq, dk, dv) for this rank's rows."""
+    computes, waits, messages = [], [], []
+    with _recorded(computes, waits, messages, refuse=False):
+        got = fn(q.clone(), k.clone(), v.clone(), out.clone(), lse.clone(), grad_out.clone(),
+                 [p.clone() for p in positions], causal)
+    if not isinstance(got, (tuple, list)) or len(got) != 3:
+        return {"returned": f"returned a {describe(got)}, not a triple (dq, dk, dv)"}
+    found, wrong = {}, ""
+    for name, value in zip(("dq", "dk", "dv"), got):
+        found[name], said = _tensor(value, name)
+        wrong = wrong or said
+    return {"returned": wrong, "messages": messages, **found}
+
+
+def _call(fn, *args):
+    """fn(*args), or None and the exception in one line: each case of 09.zigzag is judged on its own."""
+    try:
+        return fn(*args), ""
+    except Exception as exc:  # noqa: BLE001 - reported to the learner, case by case
+        return None, f"raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
+
+
+def zigzag(fn, cases: list):
+    """09.zigzag: for each (x, p, reference shards) case this rank was given, the learner's `zigzag_split(x, p)`
+    and its `zigzag_merge` (defined in the same cell) of the reference shards, each judged on its own."""
+    merge_fn = inspect.unwrap(fn).__globals__.get("zigzag_merge")  # the cell's module: fn is wrapped
+    out = []
+    for x, p, reference_shards in cases:
+        entry = {"split": None, "split_returned": "", "merge": None, "merge_returned": ""}
+        got, entry["split_returned"] = _call(fn, x.clone(), p)
+        if isinstance(got, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in got):
+            entry["split"] = [t.detach().clone() for t in got]
+        elif not entry["split_returned"]:
+            entry["split_returned"] = f"returned a {describe(got)}, not a list of tensors"
+        if not callable(merge_fn):
+            entry["merge_returned"] = "is missing: your cell defines no function zigzag_merge(shards)"
+            out.append(entry)
+            continue
+        with getattr(fn, "learner_code", contextlib.nullcontext)():  # the learner's code runs: a hang is named
+            merged, entry["merge_returned"] = _call(merge_fn, [t.clone() for t in reference_shards])
+        if isinstance(merged, torch.Tensor):
+            entry["merge"] = merged.detach().clone()
+        elif not entry["merge_returned"]:
+            entry["merge_returned"] = f"returned a {describe(merged)}, not a tensor"
+        out.append(entry)
+    return out
