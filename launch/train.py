@@ -309,7 +309,7 @@ def context_parallel(model: torch.nn.Module, args: argparse.Namespace, info: cl.
 
     torchtitan's order without stages. The cp ranks of one dp group train on the same rows, each on its own
     slice of the sequence, so their gradients are parts of one sum: FSDP2 shards (and averages the gradients)
-    over dp AND cp, on the flattened "dp_cp" mesh (torchtitan's dp_shard_cp). TP (--parallel 2d) on
+    over dp AND cp, on the flattened "dp_cp" mesh (torchtitan shards over dp x cp too). TP (--parallel 2d) on
     mesh["tp"] first, as without cp. Attention crosses the slices by ring attention on mesh["cp"].
     """
     from torch.distributed.device_mesh import init_device_mesh
@@ -320,7 +320,7 @@ def context_parallel(model: torch.nn.Module, args: argparse.Namespace, info: cl.
     if args.parallel == "2d":
         apply_tp(model, mesh["tp"])
     model.set_attn_implementation(ring_attention.register(mesh["cp"].get_group()))
-    dp_cp = mesh["dp", "cp"]._flatten("dp_cp")  # private in torch 2.13-2.15; torchtitan flattens the same way
+    dp_cp = mesh["dp", "cp"]._flatten("dp_cp")  # private in torch 2.13-2.15; torchtitan shards over dp x cp too
     for layer in model.model.layers:
         fully_shard(layer, mesh=dp_cp)
     fully_shard(model, mesh=dp_cp)
