@@ -218,3 +218,20 @@ assert ZIGZAG_MERGE_RANK_ORDER != ZIGZAG_SOLUTION
 ZIGZAG_MERGE_FLOOR = ZIGZAG_SOLUTION.replace("size = [base + (c < extra) for c in range(2 * p)]",
                                              "size = [base] * (2 * p)")
 assert ZIGZAG_MERGE_FLOOR != ZIGZAG_SOLUTION
+
+
+# Right, written differently: the send waited for before the compute (the block has left), the receive after.
+RING_ONLINE_SEND_WAITED_FIRST = RING_ONLINE_SOLUTION.replace(
+    """            pending = dist.batch_isend_irecv([dist.P2POp(dist.isend, held, after),
+                                              dist.P2POp(dist.irecv, arriving, before)])
+""", """            sending = dist.isend(held, after)
+            pending = [dist.irecv(arriving, before)]
+            sending.wait()                                 # my block has left (the receive still in flight)
+""")
+assert RING_ONLINE_SEND_WAITED_FIRST != RING_ONLINE_SOLUTION
+
+# No wait at all: the works batch_isend_irecv returns are dropped (the buffer read before it is filled).
+RING_ONLINE_NO_WAIT = RING_ONLINE_SOLUTION.replace(
+    "            for work in pending:\n                work.wait()\n            held = arriving\n",
+    "            held = arriving\n")
+assert RING_ONLINE_NO_WAIT != RING_ONLINE_SOLUTION

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import grading_answers_09 as answers
-from exercise_checks import (assert_deadline_message, assert_full_marks, assert_loses_exactly,
+from exercise_checks import (assert_deadline_message, assert_full_marks, assert_loses_exactly, failed_items,
                              assert_section_states_the_check, assert_stub_scores_zero_with_its_first_hint_once)
 from exercise_notebooks import exercise_sections, markdown_cells, notebook_path
 from course_lib.grading.cells import EXERCISE_ID, exercise_cells
@@ -27,6 +27,7 @@ from course_lib.grading.lessons.lesson09 import zigzag
 from course_lib.grading.lessons.lesson09.common import one_process, positions_of
 from course_lib.grading.lessons.lesson09.ring_common import overlap_problem, ring_problem
 from course_lib.grading.registry import exercise, exercises_of_lesson
+from course_lib.grading.report import item_line
 from course_lib.grading.spec import Limits
 
 NOTEBOOK = "09_context_parallel.ipynb"
@@ -106,10 +107,12 @@ def test_ring_problem_names_a_second_peer_a_receive_from_the_send_side_and_the_b
 
 
 def test_overlap_needs_a_compute_between_a_receive_and_its_wait():
-    posted = {"messages": [["send", 1, 8, 1.0, 1.1], ["recv", 1, 8, 1.0, 1.1]], "waits": [[2.0, 2.1]]}
+    posted = {"messages": [["send", 1, 8, 1.0, 1.1, 0], ["recv", 1, 8, 1.0, 1.1, 1]], "waits": [[2.0, 2.1, 1]]}
     assert overlap_problem({**posted, "computes": [1.5]}) == ""
     assert "waited for right after it was posted" in overlap_problem({**posted, "computes": [0.5, 2.5]})
     assert "never waited for" in overlap_problem({**posted, "waits": [], "computes": [1.5]})
+    # A wait on the send (Work 0) is not the receive's: the receive is still never waited for.
+    assert "never waited for" in overlap_problem({**posted, "waits": [[2.0, 2.1, 0]], "computes": [1.5]})
 
 
 # On real ranks.
@@ -121,6 +124,22 @@ def test_solution_scores_full_marks(exercise_id, ranks):
 
 def test_a_ring_of_two_tensors_each_step_scores_full_marks(ranks):
     assert_full_marks(ONLINE, answers.RING_ONLINE_SEPARATE, ranks=ranks)
+
+
+def test_a_receive_never_waited_for_loses_the_overlap_items_named_and_returns_at_once(ranks):
+    # Its buffers may or may not be filled when read (a race), so only the overlap items are certain to be lost;
+    # the transfers it never waited for are completed after the function returns, so no run waits for a deadline.
+    items = check_exercise(exercise(ONLINE), answers.RING_ONLINE_NO_WAIT, ranks=ranks)
+    lost = failed_items(items)
+    for name in OVERLAP:
+        assert "was never waited for: its buffer may not be filled when you read it" in lost[name], lost.get(name)
+    assert all(name in OUT_PLAIN + OUT_CAUSAL + LSE + OVERLAP for name in lost), "\n".join(map(item_line, items))
+    assert not any("did not finish" in message for message in lost.values())
+
+
+def test_a_ring_that_waits_for_its_send_before_the_compute_scores_full_marks(ranks):
+    # Its receive is in flight during the compute: the overlap judge pairs each receive with the wait on its own Work.
+    assert_full_marks(ONLINE, answers.RING_ONLINE_SEND_WAITED_FIRST, ranks=ranks)
 
 
 def test_torch_logsumexp_is_refused_in_one_line(ranks):

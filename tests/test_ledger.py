@@ -245,9 +245,13 @@ def test_batch_isend_irecv_records_its_ops_bytes_and_peers(tmp_path):
 def test_a_rank_inside_a_wrapped_work_wait_is_waiting_for_its_posted_transfer():
     # A grader's driver (lesson 09) wraps Work.wait in Python, so the wait shows as the innermost frame.
     posted = {"seq": 1, "op": "batch_isend_irecv", "group": "world", "bytes": 2048, "end": 1.0, "async": True}
-    stack = ('Current thread 0x2 (most recent call first):\n  File "/x/lesson09/drivers.py", line 58 in wait\n'
+    stack = ('Current thread 0x2 (most recent call first):\n'
+             '  File "/x/course_lib/grading/lessons/lesson09/drivers.py", line 58 in wait\n'
              '  File "<cell>", line 36 in ring_attention_online\n')
     assert rank_state([posted], stack) == ("{be} waiting in wait() at cell line 36, on a transfer posted by "
                                            "batch_isend_irecv #1 (2 KiB, world group) or earlier")
     computing = stack.replace(' in wait\n', ' in helper\n')
     assert rank_state([posted], computing).startswith("last completed batch_isend_irecv #1")
+    # Any other Python wait (threading's, a future's result) is not a transfer's.
+    threading_wait = stack.replace("/x/course_lib/grading/lessons/lesson09/drivers.py", "/usr/lib/python3.11/threading.py")
+    assert "waiting in wait()" not in rank_state([posted], threading_wait)

@@ -59,6 +59,11 @@ from .drivers import driver_for
 
 __all__ = ["EXIT_NO_FUNCTION", "PHASES", "phase_file", "serve"]
 
+# A deadline that comes while the unfinished ranks are still using CPU is extended (at most this many times,
+# each by the run's own deadline: rank_set.RankSet.run): on a loaded machine a correct answer is slow, not stuck.
+# Ranks blocked in a collective use none, so a hang is still reported at the first deadline.
+BUSY_EXTENSIONS = 2
+
 EXIT_NO_FUNCTION = 3  # the cell ran but defines no function of the expected name
 # Where a rank is in a run: the checker's set-up, the learner's function, the checker's code after it.
 PHASES = ("before", "function", "after")
@@ -256,8 +261,9 @@ def _run_check(job: dict, rank: int, store) -> None:
     os.chdir(os.path.join(job_dir, "work"))  # whatever the learner's code writes lands here
     dist.init_process_group("gloo", store=dist.PrefixStore(f"run{job['run']}/", store), rank=rank,
                             world_size=job["world_size"],
-                            # Longer than the run: the checker's deadline, which says who waits where, comes first.
-                            timeout=datetime.timedelta(seconds=2 * job["timeout_s"] + 10))
+                            # Longer than the run, however often a busy machine extends its deadline: the checker's
+                            # deadline, which says who waits where, comes first.
+                            timeout=datetime.timedelta(seconds=(2 + BUSY_EXTENSIONS) * job["timeout_s"] + 10))
     dist.barrier()
     blocked = _BlockedOps(job["exercise"], job["allowed_ops"]) if job["allowed_ops"] is not None else None
 

@@ -40,6 +40,7 @@ from ..rank.contract import ledger_file
 from ..rank.ledger import LedgerReader
 from .rank_server import RankServer
 from .spec import Limits
+from .rank_runner import BUSY_EXTENSIONS
 from .stuck import describe_check_hang, read_phases
 
 __all__ = ["RankSet"]
@@ -48,10 +49,6 @@ START_TIMEOUT_S = 60.0  # ranks connect and set up (TCP store, ledger) once the 
 # After a rank dies, how long the others get to end on their own: when several raise the same
 # error, the report must name the same rank every time (the lowest), not whichever ended first.
 SETTLE_S = 0.3
-# A deadline that comes while the unfinished ranks are still using CPU is extended (at most this many times,
-# each by the run's own deadline): on a loaded machine a correct answer is slow, not stuck. Ranks blocked in a
-# collective use none, so a hang is still reported at the first deadline.
-BUSY_EXTENSIONS = 2
 BUSY_SAMPLE_S = 0.5  # how long the ranks' CPU time is watched at a deadline
 BUSY_CPU_S = 0.02  # CPU seconds in that window (4 % of a core) that count as still computing
 GLOO = BackendChoice("gloo", "cpu", "grading ranks")

@@ -49,20 +49,29 @@ class _Refused(torch.overrides.TorchFunctionMode):
 
 @contextlib.contextmanager
 def _recorded(computes: list, waits: list, messages: list, refuse: bool):
-    """While inside: computes (times), waits ([start, end]) and point-to-point messages (["send" | "recv", peer,
-    bytes, posted, returned], from the process group's methods, alone or inside batch_isend_irecv) recorded; with
-    `refuse`, torch.logsumexp and torch.logaddexp raise. All put back on the way out."""
+    """While inside: computes (times), waits ([start, end, work]) and point-to-point messages (["send" | "recv",
+    peer, bytes, posted, returned, work], from the process group's methods, alone or inside batch_isend_irecv)
+    recorded, `work` numbering the Work each returned, so a wait is paired with its own transfer; with `refuse`,
+    torch.logsumexp and torch.logaddexp raise. Every Work is kept alive while inside (a receive the learner
+    dropped unwaited would otherwise leave gloo a pending receive with no owner), and a transfer the learner
+    never waited for is completed when the function returns, so the rank's group stays usable. All put back on
+    the way out."""
     cpp = torch._C._distributed_c10d
     saved = [(cpp.Work, "wait", cpp.Work.wait), (cpp.ProcessGroup, "send", cpp.ProcessGroup.send),
              (cpp.ProcessGroup, "recv", cpp.ProcessGroup.recv)]
     wait_, send_, recv_ = (original for _, _, original in saved)
+
+    kept: list = []                            # every Work returned, by number
+
+    def number(work) -> int | None:
+        return next((i for i, mine in enumerate(kept) if mine is work), None)
 
     def wait(self, *args, **kwargs):
         start = time.monotonic()
         try:
             return wait_(self, *args, **kwargs)
         finally:
-            waits.append([start, time.monotonic()])
+            waits.append([start, time.monotonic(), number(self)])
 
     def nbytes(tensors) -> int:
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -70,28 +79,36 @@ def _recorded(computes: list, waits: list, messages: list, refuse: bool):
     def send(self, tensors, peer, tag=0):
         start = time.monotonic()
         work = send_(self, tensors, peer, tag)
-        messages.append(["send", int(peer), nbytes(tensors), start, time.monotonic()])
+        kept.append(work)
+        messages.append(["send", int(peer), nbytes(tensors), start, time.monotonic(), len(kept) - 1])
         return work
 
     def recv(self, tensors, peer, tag=0):
         start = time.monotonic()
         work = recv_(self, tensors, peer, tag)
-        messages.append(["recv", int(peer), nbytes(tensors), start, time.monotonic()])
+        kept.append(work)
+        messages.append(["recv", int(peer), nbytes(tensors), start, time.monotonic(), len(kept) - 1])
         return work
 
     cpp.Work.wait, cpp.ProcessGroup.send, cpp.ProcessGroup.recv = wait, send, recv
     try:
         with _Computes(computes), (_Refused() if refuse else contextlib.nullcontext()):
             yield
+        waited = {w[2] for w in waits}
+        for work, handle in enumerate(kept):       # sends too: gloo would go on polling a dropped pending one
+            if work not in waited:
+                wait_(handle)                      # not recorded: the judge names a receive never waited for
     finally:
         for owner, name, original in saved:
             setattr(owner, name, original)
 
 
 def _tensor(value, name: str):
-    """A returned tensor on the CPU, detached; or None and what it was instead."""
+    """A returned tensor on the CPU, detached, floats as float32 (the statements ask for values, not a dtype:
+    a running state kept in float64 is judged by its values); or None and what it was instead."""
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu().clone(), ""
+        value = value.detach().cpu()
+        return (value.float() if value.is_floating_point() else value).clone(), ""
     return None, f"{name} is a {describe(value)}"
 
 

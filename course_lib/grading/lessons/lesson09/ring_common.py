@@ -72,8 +72,8 @@ def overlap_problem(output: dict) -> str:
     """"" if every receive was waited for only after some compute since it was posted; else the first that was
     not (a transfer waited for with no compute in between: the rank sat idle while the block travelled)."""
     receives = [m for m in output["messages"] if m[0] == "recv"]
-    for number, (_, peer, _, _, posted) in enumerate(receives, 1):
-        waited = [start for start, _ in output["waits"] if start >= posted]
+    for number, (_, peer, _, _, posted, work) in enumerate(receives, 1):
+        waited = [start for start, _, on in output["waits"] if on == work]   # the wait on this receive's own Work
         if not waited:
             return (f"receive {number} (from rank {peer}) was never waited for: its buffer may not be filled when "
                     "you read it; call wait() on what the call returned before using it")
