@@ -239,10 +239,12 @@ def _gloo_abort(lines: list[str]) -> str:
     if len(said) > 200:
         said = said[:200] + " ..."
     sizes = re.search(r"op\.preamble\.length <= op\.nbytes\. (\d+) vs (\d+)", said)
-    arrived = (f": {sizes[1]} bytes arrived where the receiver expected {sizes[2]}" if sizes else "")
-    return (f" (gloo aborted the process: {said}{arrived}. gloo aborts when the ranks' calls do not match: "
-            "another collective or another size on some rank; for send and recv, a receive buffer of another "
-            "shape or dtype than the tensor sent)")
+    arrived = (f" {sizes[1]} bytes arrived where the receiver expected {sizes[2]}." if sizes else "")
+    said = said.rstrip(" .") if said.endswith((".", " ")) else said
+    ending = "" if said.endswith(("?", "!", " ...")) else "."
+    return (f" (gloo aborted the process: {said}{ending}{arrived} gloo aborts when the ranks' calls do not "
+            "match: another collective or another size on some rank; for send and recv, a receive buffer smaller "
+            "than the tensor sent (a larger one gloo fills from its start without complaint))")
 
 
 MAX_ERROR_CHARS = 500  # of an exception's message in a report
