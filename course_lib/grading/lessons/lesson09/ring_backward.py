@@ -23,10 +23,11 @@ HINTS = (
     "lesson's reduce_scatter brings it; section 2: the log-sum-exp finishes the softmax of a row on its own.",
     "dist.batch_isend_irecv with dist.P2POp(dist.isend, ...) and dist.P2POp(dist.irecv, ...) (or dist.isend / "
     "dist.irecv, wait()); torch.exp, Tensor.masked_fill, Tensor.transpose, @; Tensor.sum(-1, keepdim=True).",
-    "With P = exp(scores - lse) (the probabilities, masked keys 0) and D = the row sums of grad_out * out: "
-    "dv of a block += P^T grad_out; dS = P * (grad_out v^T - D); dq += dS k / sqrt(dim); dk of the block += "
-    "dS^T q / sqrt(dim). Carry a dk, dv accumulator with each block: add this rank's share, pass it on to the "
-    "same neighbour as the block, and after the last step pass it once more: it reaches the block's owner.",
+    "Rebuild each tile's probabilities from the scores and lse (masked keys 0); the block's dv takes them "
+    "against grad_out; the scores' gradient is the probabilities times (the output gradient's projection on "
+    "v, minus each row's grad_out . out, which softmax's backward subtracts); dq and the block's dk come from "
+    "it, scaled as the scores were. Carry a dk, dv accumulator with each block: add this rank's share, pass it "
+    "on to the same neighbour as the block, and after the last step pass it once more: it reaches the owner.",
 )
 
 

@@ -27,8 +27,9 @@ HINTS = (
     "when a block raises the max) and section 3 (which rank's block a rank holds at each step, and how the next "
     "one travels while this one is computed).",
     "dist.batch_isend_irecv with dist.P2POp(dist.isend, ...) and dist.P2POp(dist.irecv, ...), or dist.isend / "
-    "dist.irecv; Work.wait(); torch.maximum, Tensor.amax, torch.exp, Tensor.masked_fill; a row with no key yet "
-    "has m = -inf, and exp(-inf - (-inf)) is nan.",
+    "dist.irecv; Work.wait(); torch.maximum, Tensor.amax, torch.exp, Tensor.masked_fill. (A row with no key yet has "
+    "m = -inf, and exp(-inf - (-inf)) is nan: it cannot happen here, since a rank's own block comes first and "
+    "every query sees its own key; it does in a ring that starts with a received block.)",
     "Start m at -inf, l and acc at 0. At step t the block you hold is rank (rank - t) mod p's, its positions "
     "positions[(rank - t) mod p]. Post the transfer of the block you hold to the next rank (and the receive of "
     "the previous rank's into a new buffer) before computing with it, unless it is the last step; compute the "

@@ -22,8 +22,8 @@ CASES = ((8, 2), (24, 4), (12, 3), (10, 2), (13, 3), (22, 4), (5, 3))
 HINTS = (
     "Reread lesson 09, section 4: why rank r holds one chunk from the start and one from the end, chunks r and "
     "2p - 1 - r, and the lesson's `shard`, which assumed 2p divides s.",
-    "torch.tensor_split (2p chunks for any s; torch.chunk's are ceil(s / 2p) rows, the last shorter or missing "
-    "when 2p does not divide s), "
+    "torch.tensor_split (2p chunks for any s; torch.chunk's are ceil(s / 2p) rows, the last one shorter and the "
+    "trailing ones missing when 2p does not divide s), "
     "torch.cat; plain Python for the sizes. No torch.distributed call is needed.",
     "Split: cut into 2p chunks with tensor_split's sizes and give rank r chunks r and 2p - 1 - r. Merge: from p "
     "(the number of shards) and s (their rows in all) work out the 2p chunk sizes; cut each shard back into its "
