@@ -235,3 +235,8 @@ RING_ONLINE_NO_WAIT = RING_ONLINE_SOLUTION.replace(
     "            for work in pending:\n                work.wait()\n            held = arriving\n",
     "            held = arriving\n")
 assert RING_ONLINE_NO_WAIT != RING_ONLINE_SOLUTION
+
+# The log-sum-exp returned as log(l), without the running max m.
+RING_ONLINE_LSE_WITHOUT_MAX = RING_ONLINE_SOLUTION.replace("(row_max + torch.log(denom)).squeeze(-1)",
+                                                           "torch.log(denom).squeeze(-1)")
+assert RING_ONLINE_LSE_WITHOUT_MAX != RING_ONLINE_SOLUTION

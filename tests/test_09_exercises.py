@@ -192,6 +192,9 @@ WRONG = [
         **{name: ("rank 1, case 2 of 3", "causal, contiguous split): out differs") for name in OUT_CAUSAL},
         **{name: ("rank 1, case 2 of 3",) for name in LSE},
     }, id="online-whole-blocks-skipped-on-the-wrong-side"),
+    pytest.param(ONLINE, answers.RING_ONLINE_LSE_WITHOUT_MAX, {
+        name: ("lse of head 0, row 0", "that is log(l) without the running max") for name in LSE
+    }, id="online-lse-without-the-running-max"),
     pytest.param(ONLINE, answers.RING_ONLINE_WAIT_AT_ONCE, {
         OVERLAP[0]: ("rank 0, case 1 of 3", "receive 1 (from rank 1) was waited for right after it was posted"),
         OVERLAP[1]: ("receive 1 (from rank 3) was waited for right after it was posted",),

@@ -68,6 +68,16 @@ def _out(causal: bool):
     return judge
 
 
+def _row_max(ref: dict, causal: bool):
+    """Each query row's largest score (over the keys it may see): the running max m at the end of the ring."""
+    import torch
+
+    scores = ref["q"] @ ref["k"].transpose(-2, -1) / ref["q"].shape[-1] ** 0.5
+    if causal:
+        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return scores.amax(-1)
+
+
 def _lse(outcome: RunOutcome) -> list[str]:
     import torch
 
@@ -93,6 +103,8 @@ def _lse(outcome: RunOutcome) -> list[str]:
             if causal and torch.allclose(got, lse_of(ref["q"], ref["k"], True, flipped=True)[..., rows],
                                          rtol=RTOL, atol=ATOL):
                 text += ": that is the log-sum-exp over the keys at or after each query; mask the keys after it"
+            elif torch.allclose(got + _row_max(ref, causal)[..., rows], want, rtol=RTOL, atol=ATOL):
+                text += ": that is log(l) without the running max; the log-sum-exp is m + log(l)"
             return [text]
     return []
 
