@@ -19,8 +19,9 @@ from .ring_online import CASES
 __all__ = ["RING_BACKWARD"]
 
 HINTS = (
-    "Reread lesson 09, section 3's gradients: what a rank's queries owe each block's owner, and where the "
-    "lesson's reduce_scatter brings it; section 2: the log-sum-exp finishes the softmax of a row on its own.",
+    "Reread lesson 09's appendix (09_appendix_in_depth.ipynb), section 1: attention's backward from the "
+    "log-sum-exp, block by block; lesson 09, section 3's gradients: what a rank's queries owe each block's "
+    "owner, and where the lesson's reduce_scatter brings it.",
     "dist.batch_isend_irecv with dist.P2POp(dist.isend, ...) and dist.P2POp(dist.irecv, ...) (or dist.isend / "
     "dist.irecv, wait()); torch.exp, Tensor.masked_fill, Tensor.transpose, @; Tensor.sum(-1, keepdim=True).",
     "Rebuild each tile's probabilities from the scores and lse (masked keys 0); the block's dv takes them "
