@@ -8,7 +8,9 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from course_lib.grading.checker import check_exercise
+import pytest
+
+from course_lib.grading.checker import check_exercise, rank_set_for
 from course_lib.grading.gradescope import results_json
 from course_lib.grading.registry import exercise
 from course_lib.grading.report import item_line
@@ -19,6 +21,18 @@ from course_lib.grading.spec import Limits
 # BLAS path (MKL picks kernels by CPU and alignment), so phrases compare such numbers within REL_DIGITS.
 _DECIMAL = re.compile(r"-?\d+\.\d+(?:e[-+]?\d+)?|-?\d+e[-+]?\d+")
 REL_DIGITS = 1e-4
+
+
+def shared_ranks(ids: list[str]):
+    """A module-scoped `ranks` fixture: one set of grading ranks for all of `ids`, as the grader gives one
+    to a submission. In a test module: `ranks = shared_ranks(IDS)`."""
+
+    @pytest.fixture(scope="module")
+    def ranks():
+        with rank_set_for([exercise(i) for i in ids]) as shared:
+            yield shared
+
+    return ranks
 
 
 def phrase_in(phrase: str, message: str) -> bool:

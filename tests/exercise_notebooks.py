@@ -34,3 +34,19 @@ def exercise_sections(folder: str, notebook: str) -> dict[str, str]:
         if current:
             sections[current] = sections.get(current, "") + text + "\n"
     return sections
+
+
+def assert_lists_exactly(folder: str, notebook: str, ids: list[str]) -> None:
+    """`folder`'s notebook for lesson `notebook` holds one `%%exercise` cell per graded id, in the registry's
+    order; its Goal list and its `## <id>:` sections name the same ids; its text names no exercise nobody
+    grades; and it links the lesson it practises."""
+    from course_lib.grading.cells import EXERCISE_ID, exercise_cells
+
+    cells = exercise_cells(nbformat.read(notebook_path(folder, notebook), as_version=4))
+    assert list(cells) == ids
+    markdown = "\n".join(markdown_cells(folder, notebook))
+    assert re.findall(r"^\d+\. `(\S+)`", markdown, re.M) == ids  # the list under Goal
+    assert list(exercise_sections(folder, notebook)) == ids
+    named = set(re.findall(rf"\b{EXERCISE_ID.pattern}\b", markdown))
+    assert named <= set(ids), f"the text names exercises nobody grades: {sorted(named - set(ids))}"
+    assert f"(../notebooks/{notebook})" in markdown  # the lesson it practises

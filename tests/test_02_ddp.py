@@ -16,7 +16,7 @@ import nbformat
 import pytest
 
 import grading_answers_02 as answers
-from exercise_checks import (assert_full_marks, assert_loses_exactly, assert_section_states_the_check,
+from exercise_checks import (shared_ranks, assert_full_marks, assert_loses_exactly, assert_section_states_the_check,
                              assert_stub_scores_zero_with_its_first_hint_once)
 from exercise_notebooks import notebook_path, exercise_sections, markdown_cells
 from course_lib.grading.cells import EXERCISE_ID, exercise_cells
@@ -34,10 +34,7 @@ STUBS = exercise_cells(nbformat.read(notebook_path("exercises", NOTEBOOK), as_ve
 IDS = exercises_of_lesson("02")
 
 
-@pytest.fixture(scope="module")
-def ranks():
-    with rank_set_for([exercise(i) for i in IDS]) as shared:
-        yield shared
+ranks = shared_ranks(IDS)
 
 
 def _markdown(notebook: str) -> list[str]:

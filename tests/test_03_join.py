@@ -18,12 +18,12 @@ import nbformat
 import pytest
 
 import grading_answers_03 as answers
-from exercise_checks import (
+from exercise_checks import (shared_ranks,
     assert_full_marks, assert_hang_is_named, assert_loses_exactly, assert_section_states_the_check,
     assert_stub_scores_zero_with_its_first_hint_once)
 from exercise_notebooks import notebook_path, exercise_sections, markdown_cells
 from course_lib.grading.cells import EXERCISE_ID, exercise_cells
-from course_lib.grading.checker import check_exercise, preload_for, rank_set_for
+from course_lib.grading.checker import check_exercise, preload_for
 from course_lib.grading.lessons.lesson02.exercises import ATOL, RTOL, _batch, _sgd_step, _weights
 from course_lib.grading.lessons.lesson03.exercises import (
     ADAM_LR, LR, ZERO1_DEFAULTS, first_out, greedy_owners, join_reference)
@@ -39,10 +39,7 @@ JOIN, COUNTER, ZERO, ZERO1 = IDS
 HANG_S = 4  # the deadline of a run that hangs: long enough for the steps before the hang
 
 
-@pytest.fixture(scope="module")
-def ranks():
-    with rank_set_for([exercise(i) for i in IDS]) as shared:
-        yield shared
+ranks = shared_ranks(IDS)
 
 
 def _markdown(notebook: str) -> list[str]:

@@ -19,13 +19,13 @@ import nbformat
 import pytest
 
 import grading_answers_04 as answers
-from exercise_checks import (
+from exercise_checks import (shared_ranks,
     assert_full_marks, assert_hang_is_named, assert_loses_exactly, assert_section_states_the_check,
     assert_stub_scores_zero_with_its_first_hint_once)
 from exercise_notebooks import notebook_path, exercise_sections, markdown_cells
 from course_lib import theory
 from course_lib.grading.cells import EXERCISE_ID, exercise_cells
-from course_lib.grading.checker import check_exercise, preload_for, rank_set_for
+from course_lib.grading.checker import check_exercise, preload_for
 from course_lib.grading.lessons.lesson04.clip_grad_norm import clip_reference
 from course_lib.grading.lessons.lesson04.common import ATOL, LR, RTOL
 from course_lib.grading.lessons.lesson04.flat_shard_numel import flat_shard
@@ -45,10 +45,7 @@ POLICY, SHARD, CLIP, SAVE, MEMORY = IDS
 HANG_S = 4  # the deadline of a run that hangs: long enough for the FSDP training before the hang
 
 
-@pytest.fixture(scope="module")
-def ranks():
-    with rank_set_for([exercise(i) for i in IDS]) as shared:
-        yield shared
+ranks = shared_ranks(IDS)
 
 
 def _markdown(notebook: str) -> list[str]:

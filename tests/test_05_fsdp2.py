@@ -19,15 +19,15 @@ import pytest
 import torch
 
 import grading_answers_05 as answers
-from exercise_checks import (
+from exercise_checks import (shared_ranks,
     assert_full_marks, assert_hang_is_named, assert_loses_exactly, assert_section_states_the_check,
     assert_stub_scores_zero_with_its_first_hint_once)
-from exercise_notebooks import notebook_path, exercise_sections, markdown_cells
+from exercise_notebooks import assert_lists_exactly, notebook_path, exercise_sections, markdown_cells
 from course_lib import theory
-from course_lib.grading.cells import EXERCISE_ID, exercise_cells
-from course_lib.grading.checker import check_exercise, preload_for, rank_set_for
+from course_lib.grading.cells import exercise_cells
+from course_lib.grading.checker import check_exercise, preload_for
 from course_lib.grading.lessons.lesson05.exercises import (
-    ATOL, FSDP2_OPS, LR, RTOL, TOY_2, TOY_3, all_gather_elements, group_elements, shard_rows, toy_weights)
+    ATOL, FSDP2_OPS, LR, RTOL, TOY_3, group_elements, shard_rows)
 from course_lib.grading.lessons.lesson05.shard_bottom_up import TIED_2, TIED_4
 from course_lib.grading.registry import exercise, exercises_of_lesson
 from course_lib.grading.report import item_line
@@ -42,10 +42,7 @@ SHARD, ZERO3, ACCUMULATE, META, HSDP = IDS
 HANG_S = 4  # the deadline of a run that hangs: long enough for the sharding and the checker's reference
 
 
-@pytest.fixture(scope="module")
-def ranks():
-    with rank_set_for([exercise(i) for i in IDS]) as shared:
-        yield shared
+ranks = shared_ranks(IDS)
 
 
 def _rows(count: int) -> str:
@@ -55,14 +52,7 @@ def _rows(count: int) -> str:
 @pytest.mark.parametrize("notebook", ["solutions", "exercises"])
 def test_the_notebook_lists_exactly_the_exercises_graded(notebook):
     assert IDS == ["05.shard_bottom_up", "05.zero3_linear", "05.accumulate", "05.meta_init_broadcast", "05.hsdp_mesh"]
-    cells = exercise_cells(nbformat.read(notebook_path(notebook, NOTEBOOK), as_version=4))
-    assert list(cells) == IDS  # the %%exercise cells, in the registry's order
-    markdown = "\n".join(markdown_cells(notebook, NOTEBOOK))
-    assert re.findall(r"^\d+\. `(\S+)`", markdown, re.M) == IDS  # the list under Goal
-    assert list(exercise_sections(notebook, NOTEBOOK)) == IDS
-    named = set(re.findall(rf"\b{EXERCISE_ID.pattern}\b", markdown))
-    assert named <= set(IDS), f"the text names exercises nobody grades: {sorted(named - set(IDS))}"
-    assert "(../notebooks/05_fsdp2.ipynb)" in markdown  # the lesson it practises
+    assert_lists_exactly(notebook, NOTEBOOK, IDS)
 
 
 def _head_rows(n: int) -> str:

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 import grading_answers_06 as answers
-from exercise_checks import (assert_full_marks, assert_section_states_the_check,
+from exercise_checks import (shared_ranks, assert_full_marks, assert_section_states_the_check,
                              assert_stub_scores_zero_with_its_first_hint_once, failed_items)
 from exercise_notebooks import exercise_sections, markdown_cells, notebook_path
 from course_lib.grading.cells import EXERCISE_ID, exercise_cells
-from course_lib.grading.checker import check_exercise, rank_set_for
+from course_lib.grading.checker import check_exercise
 from course_lib.grading.lessons.lesson06.exercises import ATOL, RTOL
 from course_lib.grading.registry import exercise, exercises_of_lesson
 from course_lib.predictions import prediction
@@ -38,10 +38,7 @@ SEED_NAMES = ("init_device_mesh", "mesh_dim_names", "get_group", "parallelize_mo
               "Shard", "Replicate", "Partial", "distribute_tensor", "redistribute")
 
 
-@pytest.fixture(scope="module")
-def ranks():
-    with rank_set_for([exercise(i) for i in IDS]) as shared:
-        yield shared
+ranks = shared_ranks(IDS)
 
 
 def test_every_lesson_06_seed_name_runs_in_a_code_cell():

@@ -21,12 +21,11 @@ import pytest
 import torch
 
 import grading_answers_07 as answers
-from exercise_checks import (assert_full_marks, assert_hang_is_named, assert_loses_exactly,
+from exercise_checks import (shared_ranks, assert_full_marks, assert_hang_is_named, assert_loses_exactly,
                              assert_section_states_the_check, assert_stub_scores_zero_with_its_first_hint_once)
-from exercise_notebooks import exercise_sections, markdown_cells, notebook_path
+from exercise_notebooks import assert_lists_exactly, exercise_sections, notebook_path
 from proc_helpers import launch, startup_deadline_s
-from course_lib.grading.cells import EXERCISE_ID, exercise_cells
-from course_lib.grading.checker import rank_set_for
+from course_lib.grading.cells import exercise_cells
 from course_lib.grading.registry import exercise, exercises_of_lesson
 
 NOTEBOOK = "07_checkpointing.ipynb"
@@ -36,23 +35,13 @@ IDS = exercises_of_lesson("07")
 APP, RESHARD, CRASH = IDS
 
 
-@pytest.fixture(scope="module")
-def ranks():
-    with rank_set_for([exercise(i) for i in IDS]) as shared:
-        yield shared
+ranks = shared_ranks(IDS)
 
 
 @pytest.mark.parametrize("notebook", ["solutions", "exercises"])
 def test_the_notebook_lists_exactly_the_exercises_graded(notebook):
     assert IDS == ["07.app_state", "07.reshard_load", "07.crash_safe_save"]
-    cells = exercise_cells(nbformat.read(notebook_path(notebook, NOTEBOOK), as_version=4))
-    assert list(cells) == IDS
-    markdown = "\n".join(markdown_cells(notebook, NOTEBOOK))
-    assert re.findall(r"^\d+\. `(\S+)`", markdown, re.M) == IDS
-    assert list(exercise_sections(notebook, NOTEBOOK)) == IDS
-    named = set(re.findall(rf"\b{EXERCISE_ID.pattern}\b", markdown))
-    assert named <= set(IDS), f"the text names exercises nobody grades: {sorted(named - set(IDS))}"
-    assert "(../notebooks/07_checkpointing.ipynb)" in markdown
+    assert_lists_exactly(notebook, NOTEBOOK, IDS)
 
 
 @pytest.mark.parametrize("exercise_id", IDS)

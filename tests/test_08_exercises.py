@@ -14,15 +14,14 @@ import nbformat
 import pytest
 
 import grading_answers_08 as answers
-from exercise_checks import (assert_full_marks, assert_hang_is_named, assert_loses_exactly,
+from exercise_checks import (shared_ranks, assert_full_marks, assert_hang_is_named, assert_loses_exactly,
                              assert_section_states_the_check, assert_stub_scores_zero_with_its_first_hint_once)
-from exercise_notebooks import exercise_sections, markdown_cells, notebook_path
-from course_lib.grading.cells import EXERCISE_ID, exercise_cells
-from course_lib.grading.checker import rank_set_for
+from exercise_notebooks import assert_lists_exactly, exercise_sections, notebook_path
+from course_lib.grading.cells import exercise_cells
 from course_lib.grading.lessons.lesson08 import balance
 from course_lib.grading.lessons.lesson08.drivers import order_problem, widths
 from course_lib.grading.lessons.lesson08.gpipe import messages
-from course_lib.grading.registry import exercise, exercises_of_lesson
+from course_lib.grading.registry import exercises_of_lesson
 
 NOTEBOOK = "08_pipeline.ipynb"
 SOLUTIONS = exercise_cells(nbformat.read(notebook_path("solutions", NOTEBOOK), as_version=4))
@@ -31,23 +30,13 @@ IDS = exercises_of_lesson("08")
 GPIPE, ORDER, BALANCE = IDS
 
 
-@pytest.fixture(scope="module")
-def ranks():
-    with rank_set_for([exercise(i) for i in IDS]) as shared:
-        yield shared
+ranks = shared_ranks(IDS)
 
 
 @pytest.mark.parametrize("notebook", ["solutions", "exercises"])
 def test_the_notebook_lists_exactly_the_exercises_graded(notebook):
     assert IDS == ["08.gpipe", "08.one_f_one_b", "08.balance"]
-    cells = exercise_cells(nbformat.read(notebook_path(notebook, NOTEBOOK), as_version=4))
-    assert list(cells) == IDS
-    markdown = "\n".join(markdown_cells(notebook, NOTEBOOK))
-    assert re.findall(r"^\d+\. `(\S+)`", markdown, re.M) == IDS
-    assert list(exercise_sections(notebook, NOTEBOOK)) == IDS
-    named = set(re.findall(rf"\b{EXERCISE_ID.pattern}\b", markdown))
-    assert named <= set(IDS), f"the text names exercises nobody grades: {sorted(named - set(IDS))}"
-    assert "(../notebooks/08_pipeline.ipynb)" in markdown
+    assert_lists_exactly(notebook, NOTEBOOK, IDS)
 
 
 @pytest.mark.parametrize("exercise_id", IDS)

@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 
 import grading_answers_09 as answers
-from exercise_checks import (assert_deadline_message, assert_full_marks, assert_loses_exactly, failed_items,
+from exercise_checks import (shared_ranks, assert_deadline_message, assert_full_marks, assert_loses_exactly, failed_items,
                              assert_section_states_the_check, assert_stub_scores_zero_with_its_first_hint_once)
-from exercise_notebooks import exercise_sections, markdown_cells, notebook_path
-from course_lib.grading.cells import EXERCISE_ID, exercise_cells
-from course_lib.grading.checker import check_exercise, rank_set_for
+from exercise_notebooks import assert_lists_exactly, exercise_sections, notebook_path
+from course_lib.grading.cells import exercise_cells
+from course_lib.grading.checker import check_exercise
 from course_lib.grading.lessons.lesson09 import zigzag
 from course_lib.grading.lessons.lesson09.common import one_process, positions_of
 from course_lib.grading.lessons.lesson09.ring_common import overlap_problem, ring_problem
@@ -37,23 +37,13 @@ IDS = exercises_of_lesson("09")
 ONLINE, BACKWARD, ZIGZAG = IDS
 
 
-@pytest.fixture(scope="module")
-def ranks():
-    with rank_set_for([exercise(i) for i in IDS]) as shared:
-        yield shared
+ranks = shared_ranks(IDS)
 
 
 @pytest.mark.parametrize("notebook", ["solutions", "exercises"])
 def test_the_notebook_lists_exactly_the_exercises_graded(notebook):
     assert IDS == ["09.ring_online", "09.ring_backward", "09.zigzag"]
-    cells = exercise_cells(nbformat.read(notebook_path(notebook, NOTEBOOK), as_version=4))
-    assert list(cells) == IDS
-    markdown = "\n".join(markdown_cells(notebook, NOTEBOOK))
-    assert re.findall(r"^\d+\. `(\S+)`", markdown, re.M) == IDS
-    assert list(exercise_sections(notebook, NOTEBOOK)) == IDS
-    named = set(re.findall(rf"\b{EXERCISE_ID.pattern}\b", markdown))
-    assert named <= set(IDS), f"the text names exercises nobody grades: {sorted(named - set(IDS))}"
-    assert "(../notebooks/09_context_parallel.ipynb)" in markdown
+    assert_lists_exactly(notebook, NOTEBOOK, IDS)
 
 
 @pytest.mark.parametrize("exercise_id", IDS)
