@@ -372,3 +372,15 @@ def test_a_gloo_abort_says_what_gloo_said_and_a_deadline_with_no_waiting_rank_ma
     assert "the machine may have been busy" in _maybe_busy(["ranks 0, 1 are still in your function: they are "
                                                            "running Python at cell line 4, before any collective"])
     assert _maybe_busy(["rank 0 is still in your function: it is waiting in recv #1 (40 B, world group)"]) == ""
+
+
+def test_a_gloo_transfer_timeout_is_one_sentence_without_gloo_source_path():
+    from course_lib.grading.checker import _gloo_timeout
+
+    raw = ("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
+           "Timed out waiting 50000ms for recv operation to complete")
+    said = _gloo_timeout(raw)
+    assert said.startswith("RuntimeError: a receive never completed in the process group's 50 s: ")
+    assert "was every transfer waited for" in said and "unbound_buffer" not in said and "__w" not in said
+    assert "a send never completed" in _gloo_timeout(raw.replace("for recv", "for send"))
+    assert _gloo_timeout("RuntimeError: shapes differ") == "RuntimeError: shapes differ"

@@ -6,6 +6,9 @@ on the submission that made it."""
 from __future__ import annotations
 
 import pathlib
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -147,3 +150,14 @@ def test_a_deadline_waits_for_ranks_still_computing_but_not_for_blocked_ones():
     assert blocked[0].message.startswith("did not finish within 3 s"), blocked[0].message
     # One deadline plus the grader's own start and stop, not three deadlines.
     assert took < 3 * DEADLINE_S + 10, took
+
+
+
+def test_a_rank_past_its_cpu_time_gets_sigxcpu_which_the_checker_names_not_sigkill():
+    """A rank's limits as the rank runner sets them: RLIMIT_CPU's soft limit (SIGXCPU, named for CPU time)
+    comes before its hard one (SIGKILL, which would read like the memory killer)."""
+    spin = ("from course_lib.grading.rank_runner import _apply_limits\n"
+            "_apply_limits({'cpu_s': 1, 'memory_bytes': 2**33, 'file_bytes': 2**20})\n"
+            "while True:\n    pass\n")
+    done = subprocess.run([sys.executable, "-c", spin], cwd=ROOT, timeout=120)
+    assert done.returncode == -signal.SIGXCPU

@@ -204,6 +204,7 @@ def _launch_failure(exercise: Exercise, run: RunSpec, launch: LaunchResult, time
     raised = "Traceback (most recent call last):" in err
     if raised:
         last = _raised(err) or last
+    last = _gloo_timeout(last)
     if "[Errno 27] File too large" in last:  # RLIMIT_FSIZE: Python ignores SIGXFSZ, so writes fail
         last += f" (a rank may write at most {binary_bytes(limits.file_bytes)}: print less)"
     if "can't allocate memory" in last or last.startswith("MemoryError"):  # RLIMIT_DATA: allocations fail
@@ -213,6 +214,20 @@ def _launch_failure(exercise: Exercise, run: RunSpec, launch: LaunchResult, time
             return f"rank {rank} raised{at}: {not_written_yet(exercise.id)}"
         return f"rank {rank} raised{at}: {last}"
     return f"rank {rank} exited with code {code}: {last}"
+
+
+_GLOO_TIMEOUT = re.compile(r"\[[^\]]*\] Timed out waiting (\d+)ms for (send|recv) operation to complete")
+
+
+def _gloo_timeout(message: str) -> str:
+    """gloo's timeout of a point-to-point transfer, with its source path, as one sentence of what to check."""
+    found = _GLOO_TIMEOUT.search(message)
+    if not found:
+        return message
+    what = {"recv": "a receive", "send": "a send"}[found.group(2)]
+    return (message[:found.start()] + f"{what} never completed in the process group's "
+            f"{int(found.group(1)) / 1000:g} s: was every transfer waited for (wait() on its Work), and does "
+            "its peer post the matching send or receive?")
 
 
 def not_written_yet(exercise_id: str) -> str:

@@ -70,18 +70,22 @@ PHASES = ("before", "function", "after")
 PARENT_CHECK_S = 0.5  # how often a rank checks that its grader still runs
 
 
-def _limit(kind: int, value: int) -> None:
-    """Set soft and hard limit: an unprivileged process cannot raise a hard limit again."""
+def _limit(kind: int, value: int, grace: int = 0) -> None:
+    """Set the soft limit to `value` and the hard one `grace` above it: an unprivileged process cannot raise
+    a hard limit again."""
     soft, hard = resource.getrlimit(kind)
+    top = value + grace
     if hard != resource.RLIM_INFINITY:
-        value = min(value, hard)
-    resource.setrlimit(kind, (value, value))
+        value, top = min(value, hard), min(top, hard)
+    resource.setrlimit(kind, (value, top))
 
 
 def _apply_limits(limits: dict) -> None:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     used_cpu = int(usage.ru_utime + usage.ru_stime) + 1
-    _limit(resource.RLIMIT_CPU, used_cpu + int(limits["cpu_s"]))
+    # The soft limit sends SIGXCPU, which the checker names as CPU time; at an equal hard limit Linux sends
+    # SIGKILL first, which reads like the memory killer. A few seconds of grace keep the two apart.
+    _limit(resource.RLIMIT_CPU, used_cpu + int(limits["cpu_s"]), grace=5)
     # Memory a rank really uses (RLIMIT_DATA: heap and private writable mappings), not its address
     # space: a CUDA build of torch reserves tens of GiB it never touches (PROT_NONE), and under
     # RLIMIT_AS every rank died before the learner's code ran.
