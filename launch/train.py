@@ -487,7 +487,9 @@ def progress(step: int, steps: int, loss: float, started: float, first: int) -> 
             f"{per_step * 1e3:.0f} ms/step, ~{per_step * (steps - step):.0f} s left")
 
 
-def train(args: argparse.Namespace) -> float:
+def train(args: argparse.Namespace, keep: dict | None = None) -> float:
+    """Train; returns the final loss. `keep`, if given, receives the AppState ("app") at the end: the tests
+    compare one process's model and optimizer state with a distributed run's checkpoint."""
     distributed = "RANK" in os.environ
     if distributed:
         info = init_distributed(args.timeout)
@@ -580,6 +582,8 @@ def train(args: argparse.Namespace) -> float:
         cl.print0(f"nothing to do: the checkpoint is at step {app.step} of {args.steps}")
     else:
         cl.print0(f"final loss {loss_value!r}")
+    if keep is not None:
+        keep["app"] = app
     if distributed:
         dist.destroy_process_group()
     return loss_value
