@@ -1,10 +1,11 @@
-"""Capstone: train a tiny Llama with DDP, FSDP2, FSDP2 x TP, pipeline stages or context parallelism; DCP, resume.
+"""Capstone: train a tiny Llama (or Mixtral) with DDP, FSDP2, FSDP2 x TP, pipeline, context or expert parallelism; DCP.
 
 Run (one machine):   NPROC=4 bash launch/local.sh launch/train.py --parallel 2d --tp 2
  or by hand:         torchrun --standalone --nproc-per-node 4 launch/train.py --parallel 2d --tp 2
 Pipeline x FSDP2:    NPROC=4 bash launch/local.sh launch/train.py --parallel fsdp --pp 2
 3-D (8 ranks):       NPROC=8 bash launch/local.sh launch/train.py --parallel 2d --pp 2 --tp 2
 Context x FSDP2:     NPROC=4 bash launch/local.sh launch/train.py --parallel fsdp --cp 2 --seq 32
+Experts x FSDP2:     NPROC=4 bash launch/local.sh launch/train.py --parallel fsdp --moe-experts 4 --ep 2
 One process, the reference every distributed run must equal:
                      python launch/train.py
 Other launchers (several nodes, SLURM, Kubernetes): launch/README.md.
@@ -17,6 +18,10 @@ tensor-parallel plan, `fully_shard` on mesh["dp"] (lesson 05), `DistributedDataP
 mesh: each cp rank holds a contiguous slice of the sequence, attention crosses the slices by ring attention
 written by hand (ring_attention.py: `batch_isend_irecv` round mesh["cp"], registered with transformers), and
 `fully_shard` runs on the flattened dp x cp mesh (torch's own `context_parallel` fails on CPU in torch 2.13 and 2.15).
+With --moe-experts E the model is a tiny Mixtral (moe.py); with --ep N > 1 a ("dp_mod_ep", "ep") mesh: every
+rank is a dp rank, each holds E/N experts and trades tokens with `all_to_all_single` on mesh["ep"] (written by
+hand in moe.py), the experts are FSDP2-sharded over "dp_mod_ep", the rest over all ranks; the experts'
+gradients are divided by N, so their average, like every other parameter's, runs over all ranks' losses.
 `course_lib` only picks the backend and prints on rank 0.
 
 The global batch is the same on every layout: dp rank r trains on rows
