@@ -63,7 +63,8 @@ class ExpertParallelExperts(torch.nn.Module):
 
     The parameters keep Mixtral's names and become DTensors sharded along dim 0 (the expert index) on
     `ep_mesh`: FSDP2 can shard them further over the ranks that hold the same experts, and a DCP
-    checkpoint stores each expert once, under its global index, loadable under any other layout.
+    checkpoint stores each expert once, under its global index: it loads under another ep, without EP, or in
+    one process (each checked; launch/README.md).
     """
 
     def __init__(self, experts: torch.nn.Module, ep_mesh):
@@ -86,8 +87,9 @@ class ExpertParallelExperts(torch.nn.Module):
             # An expert's gradient comes back summed over the ep ranks whose tokens it served, and FSDP2 then
             # averages it over the dp_mod_ep ranks that hold the same expert: / ep as well makes it the mean
             # over all ranks' losses, as for every other parameter (torchtitan gets the same by setting the
-            # experts' FSDP2 gradient divide factor to the whole dp size; done here by hand because on gloo
-            # that factor becomes a PREMUL_SUM reduction, which gloo lacks).
+            # experts' FSDP2 gradient divide factor to the whole dp size; done here by hand because that factor
+            # becomes a PREMUL_SUM reduction, which gloo lacks, and FSDP2's sum-then-divide path divides twice
+            # on a one-rank mesh, as dp_mod_ep is with ep = world: torch 2.13 and 2.15).
             for weight in (gate_up, down):
                 weight.register_hook(lambda grad: grad / ep)
         expert = top_k_index.flatten()  # (tokens x k): token t's j-th choice at t * k + j
