@@ -1,10 +1,11 @@
-"""Capstone: train a tiny Llama with DDP, FSDP2, FSDP2 x TP, pipeline stages or context parallelism; DCP, resume.
+"""Capstone: train a tiny Llama (or Mixtral) with DDP, FSDP2, FSDP2 x TP, pipeline, context or expert parallelism; DCP.
 
 Run (one machine):   NPROC=4 bash launch/local.sh launch/train.py --parallel 2d --tp 2
  or by hand:         torchrun --standalone --nproc-per-node 4 launch/train.py --parallel 2d --tp 2
 Pipeline x FSDP2:    NPROC=4 bash launch/local.sh launch/train.py --parallel fsdp --pp 2
 3-D (8 ranks):       NPROC=8 bash launch/local.sh launch/train.py --parallel 2d --pp 2 --tp 2
 Context x FSDP2:     NPROC=4 bash launch/local.sh launch/train.py --parallel fsdp --cp 2 --seq 32
+Experts x FSDP2:     NPROC=4 bash launch/local.sh launch/train.py --parallel fsdp --moe-experts 4 --ep 2
 One process, the reference every distributed run must equal:
                      python launch/train.py
 Other launchers (several nodes, SLURM, Kubernetes): launch/README.md.
@@ -17,6 +18,10 @@ tensor-parallel plan, `fully_shard` on mesh["dp"] (lesson 05), `DistributedDataP
 mesh: each cp rank holds a contiguous slice of the sequence, attention crosses the slices by ring attention
 written by hand (ring_attention.py: `batch_isend_irecv` round mesh["cp"], registered with transformers), and
 `fully_shard` runs on the flattened dp x cp mesh (torch's own `context_parallel` fails on CPU in torch 2.13 and 2.15).
+With --moe-experts E the model is a tiny Mixtral (moe.py); with --ep N > 1 a ("dp_mod_ep", "ep") mesh: every
+rank is a dp rank, each holds E/N experts and trades tokens with `all_to_all_single` on mesh["ep"] (written by
+hand in moe.py), the experts are FSDP2-sharded over "dp_mod_ep", the rest over all ranks; the experts'
+gradients are divided by N, so their average, like every other parameter's, runs over all ranks' losses.
 `course_lib` only picks the backend and prints on rank 0.
 
 The global batch is the same on every layout: dp rank r trains on rows
@@ -47,6 +52,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # ring_attention.py beside this file
 import course_lib as cl  # noqa: E402
+import moe  # noqa: E402
 import ring_attention  # noqa: E402
 from course_lib.models import LLAMA_CONFIG, make_llama, make_tokens  # noqa: E402
 
@@ -63,6 +69,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cp", type=int, default=1,
                    help="context parallelism: the sequence cut into this many slices, ring attention across them "
                         "(with --parallel fsdp or 2d, without --pp); divides --seq")
+    p.add_argument("--moe-experts", type=int, default=0,
+                   help="a mixture of experts: a tiny Mixtral with this many experts per layer, top-2 "
+                        "(default 0: the dense tiny Llama); with --parallel ddp or fsdp")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert parallelism: each rank holds --moe-experts / EP experts, tokens exchanged by "
+                        "all-to-all (with --parallel fsdp, without --pp or --cp); divides the world size")
     p.add_argument("--dp", type=int, default=None,
                    help="data-parallel size (default: the world size / (pp x cp x tp)); pp x dp x cp x tp = world size")
     p.add_argument("--microbatches", type=int, default=None,
@@ -96,10 +108,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def layout_problem(args: argparse.Namespace, world: int) -> str | None:
     """What is wrong with the flags on `world` ranks, in one line; None if nothing. Fills args.dp and args.microbatches."""
-    for name in ("tp", "pp", "cp", "dp", "microbatches", "ckpt_every", "seq"):
+    for name in ("tp", "pp", "cp", "ep", "dp", "microbatches", "ckpt_every", "seq"):
         value = getattr(args, name)
         if value is not None and value < 1:
             return f"--{name.replace('_', '-')} {value}: must be at least 1"
+    if problem := moe_problem(args, world):
+        return problem
     if args.pp > 1 and args.parallel == "ddp":
         return f"--pp {args.pp} needs --parallel fsdp or 2d (pipeline stages are sharded with FSDP2 here, not DDP)"
     if args.cp > 1 and args.parallel == "ddp":
@@ -139,6 +153,29 @@ def layout_problem(args: argparse.Namespace, world: int) -> str | None:
     if args.batch % (args.dp * args.microbatches):
         return (f"--batch {args.batch} does not divide into dp {args.dp} x {args.microbatches} microbatches "
                 f"(set --batch or --microbatches)")
+    return None
+
+
+def moe_problem(args: argparse.Namespace, world: int) -> str | None:
+    """What is wrong with --moe-experts / --ep, in one line; None if nothing."""
+    experts, ep = args.moe_experts, args.ep
+    if experts and experts < moe.TOP_K:
+        return f"--moe-experts {experts}: at least {moe.TOP_K} (each token goes to its top {moe.TOP_K} experts)"
+    if experts and args.parallel == "2d":
+        return (f"--moe-experts {experts} needs --parallel fsdp or ddp (the tensor-parallel plan here does not "
+                f"split experts)")
+    if experts and (args.pp > 1 or args.cp > 1):
+        return f"--moe-experts {experts} with --pp or --cp: not supported here (experts run without stages or slices)"
+    if ep == 1:
+        return None
+    if not experts:
+        return f"--ep {ep} needs --moe-experts (the dense Llama has no experts to spread)"
+    if args.parallel != "fsdp":
+        return f"--ep {ep} needs --parallel fsdp (the non-expert parameters are sharded with FSDP2 here)"
+    if experts % ep:
+        return f"--moe-experts {experts} does not divide among --ep {ep} ranks (each holds the same number of experts)"
+    if world % ep:
+        return f"--ep {ep} does not divide the world size {world}"
     return None
 
 
@@ -205,6 +242,30 @@ def parallelize(model: torch.nn.Module, args: argparse.Namespace, info: cl.DistI
         fully_shard(layer, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
     return model, dp_mesh.size(), dp_mesh.get_local_rank()
+
+
+def expert_parallel_fsdp(model: torch.nn.Module, args: argparse.Namespace, info: cl.DistInfo):
+    """EP x FSDP2 on a ("dp_mod_ep", "ep") mesh; returns (model, dp size, dp rank).
+
+    torchtitan's layout: every rank is a data-parallel rank (its own rows, its own routing), and EP is folded
+    out of those dp ranks. The ep ranks of one row of the mesh each hold E/ep of the experts and trade tokens
+    with all-to-all on mesh["ep"]; the ranks holding the same experts (one column, "dp_mod_ep") shard them
+    with FSDP2 (along dim 1: dim 0, the expert index, is EP's). Everything else (attention, norms, router,
+    embeddings, head) is FSDP2-sharded over all the ranks, the flattened "dp" mesh.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    mesh = init_device_mesh(info.device.type, (info.world_size // args.ep, args.ep),
+                            mesh_dim_names=("dp_mod_ep", "ep"))
+    moe.expert_parallel(model, mesh["ep"])
+    dp = mesh["dp_mod_ep", "ep"]._flatten("dp")  # private in torch 2.13-2.15, as for --cp
+    for layer in model.model.layers:
+        fully_shard(layer.mlp.experts, mesh=mesh["dp_mod_ep"], shard_placement_fn=lambda param: Shard(1))
+        fully_shard(layer, mesh=dp)  # the layer's other parameters; the experts are already their own unit
+    fully_shard(model, mesh=dp)
+    return model, dp.size(), dp.get_local_rank()
 
 
 def apply_tp(model: torch.nn.Module, tp_mesh) -> None:
@@ -431,22 +492,30 @@ def progress(step: int, steps: int, loss: float, started: float, first: int) -> 
             f"{per_step * 1e3:.0f} ms/step, ~{per_step * (steps - step):.0f} s left")
 
 
-def train(args: argparse.Namespace) -> float:
+def train(args: argparse.Namespace, keep: dict | None = None) -> float:
+    """Train; returns the final loss. `keep`, if given, receives the AppState ("app") at the end: the tests
+    compare one process's model and optimizer state with a distributed run's checkpoint."""
     distributed = "RANK" in os.environ
     if distributed:
         info = init_distributed(args.timeout)
     else:
         print("one process (not under torchrun): the reference a distributed run must equal", flush=True)
         info = cl.DistInfo(0, 1, 0, "none", torch.device("cpu"))
-    model = make_llama(args.seed).to(info.device)  # same weights on every rank: seeded
+    if args.moe_experts:
+        model = moe.make_mixtral(args.moe_experts, args.seed, **LLAMA_CONFIG).to(info.device)
+    else:
+        model = make_llama(args.seed).to(info.device)  # same weights on every rank: seeded
     piped = distributed and args.pp > 1
     sliced = distributed and args.cp > 1
+    experts = distributed and args.ep > 1
     if piped:
         model, stage, schedule, dp_rank = pipeline(model, args, info)  # model: this rank's stage
         dp_size = args.dp
     elif sliced:
         model, dp_rank, cp_rank = context_parallel(model, args, info)
         dp_size = args.dp
+    elif experts:
+        model, dp_size, dp_rank = expert_parallel_fsdp(model, args, info)
     elif distributed:
         model, dp_size, dp_rank = parallelize(model, args, info)
     else:
@@ -470,11 +539,16 @@ def train(args: argparse.Namespace) -> float:
     if sliced:
         layout = {"fsdp": f"CP x FSDP2 (dp={dp_size}, cp={args.cp})",
                   "2d": f"CP x FSDP2 x TP (dp={dp_size}, cp={args.cp}, tp={args.tp})"}[args.parallel]
+    if experts:
+        layout = f"EP x FSDP2 (ep={args.ep}, experts FSDP2 over {dp_size // args.ep}, the rest over {dp_size})"
     if distributed:
         ranks = f"{info.world_size} rank{'s' if info.world_size > 1 else ''}"
         split = f"; Schedule1F1B, {args.microbatches} microbatches of {rows // args.microbatches}" if piped else ""
         if sliced:
             split = f"; sequence {args.seq} = {args.cp} x {args.seq // args.cp} tokens, ring attention"
+        if args.moe_experts:
+            split = (f"; {args.moe_experts} experts per layer, top-{moe.TOP_K}"
+                     + (f", {args.moe_experts // args.ep} per ep rank, all-to-all" if experts else ""))
         cl.print0(f"{layout} on {ranks}; global batch {args.batch} = {dp_size} x {rows} rows{split}")
     loss_value = float("nan")
     first, started = app.step + 1, time.perf_counter()
@@ -513,6 +587,8 @@ def train(args: argparse.Namespace) -> float:
         cl.print0(f"nothing to do: the checkpoint is at step {app.step} of {args.steps}")
     else:
         cl.print0(f"final loss {loss_value!r}")
+    if keep is not None:
+        keep["app"] = app
     if distributed:
         dist.destroy_process_group()
     return loss_value

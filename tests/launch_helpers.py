@@ -120,12 +120,15 @@ def load_train():
     return module
 
 
-def reference(argv: list[str]) -> tuple[dict[int, float], float]:
-    """One process, in this interpreter: train.py without torchrun, with the same flags."""
+def reference(argv: list[str], keep: dict | None = None) -> tuple[dict[int, float], float]:
+    """One process, in this interpreter: train.py without torchrun, with the same flags.
+
+    `keep`, if given, receives its final AppState as "app" (model and optimizer, to compare with a checkpoint).
+    """
     train = load_train()
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        train.train(train.parse_args(argv))
+        train.train(train.parse_args(argv), keep)
     steps, final = losses(out.getvalue())
     assert final is not None, out.getvalue()
     return steps, final
