@@ -236,6 +236,23 @@ RING_ONLINE_NO_WAIT = RING_ONLINE_SOLUTION.replace(
     "            held = arriving\n")
 assert RING_ONLINE_NO_WAIT != RING_ONLINE_SOLUTION
 
+# One isend more at the last step, which no rank receives (the values are right): gloo never completes it.
+RING_ONLINE_UNMATCHED_SEND = RING_ONLINE_SOLUTION.replace(
+    "        if not last:\n            for work in pending:",
+    "        if last:\n            dist.isend(held, after)\n        if not last:\n            for work in pending:")
+assert RING_ONLINE_UNMATCHED_SEND != RING_ONLINE_SOLUTION
+
+# The running state kept in float64 (the values are right; the statements ask for values, not a dtype).
+# The blocks travel in float32 as given; each is computed with in float64.
+RING_ONLINE_FLOAT64 = RING_ONLINE_SOLUTION.replace(
+    "    held = torch.cat((k, v), dim=-1)",
+    "    q, row_max, denom, numer = q.double(), row_max.double(), denom.double(), numer.double()\n"
+    "    held = torch.cat((k, v), dim=-1)").replace(
+    "keys, vals = held[..., :width], held[..., width:]",
+    "keys, vals = held[..., :width].double(), held[..., width:].double()")
+assert RING_ONLINE_FLOAT64.count(".double()") == 6
+assert RING_ONLINE_FLOAT64 != RING_ONLINE_SOLUTION
+
 # The log-sum-exp returned as log(l), without the running max m.
 RING_ONLINE_LSE_WITHOUT_MAX = RING_ONLINE_SOLUTION.replace("(row_max + torch.log(denom)).squeeze(-1)",
                                                            "torch.log(denom).squeeze(-1)")

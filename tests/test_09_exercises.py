@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 
 import nbformat
 import pytest
@@ -125,6 +126,22 @@ def test_a_receive_never_waited_for_loses_the_overlap_items_named_and_returns_at
         assert "was never waited for: its buffer may not be filled when you read it" in lost[name], lost.get(name)
     assert all(name in OUT_PLAIN + OUT_CAUSAL + LSE + OVERLAP for name in lost), "\n".join(map(item_line, items))
     assert not any("did not finish" in message for message in lost.values())
+
+
+def test_a_running_state_in_float64_scores_full_marks(ranks):
+    assert_full_marks(ONLINE, answers.RING_ONLINE_FLOAT64, ranks=ranks)
+
+
+def test_a_send_nobody_receives_is_named_in_seconds_not_blamed_on_load(ranks):
+    # gloo never completes it, and a wait that times out closes the pair: the run ends at once, saying which send.
+    started = time.monotonic()
+    items = check_exercise(exercise(ONLINE), answers.RING_ONLINE_UNMATCHED_SEND, ranks=ranks)
+    assert time.monotonic() - started < 2 * exercise(ONLINE).runs[0].timeout_s
+    messages = [item.message for item in items if not item.passed]
+    assert messages and sum(item.score for item in items) == 0
+    assert any(re.search(r"raised: RuntimeError: send \d+ \(to rank \d, [\d,]+ bytes\) was never received: every "
+                         r"isend needs a matching irecv on its peer", m) for m in messages), messages
+    assert not any("busy" in m or "did not finish" in m for m in messages), messages
 
 
 def test_a_ring_that_waits_for_its_send_before_the_compute_scores_full_marks(ranks):

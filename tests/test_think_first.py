@@ -450,3 +450,26 @@ def test_long_check_lines_wrap_at_100_columns_between_words_indented_under_their
     assert item_line(ItemResult("short", 1.0, 1.0)) == "  pass  short (1/1)"
     # The score stays with the name's last words, not alone on a line.
     assert item_line(ItemResult("x" * 88 + " end", 1.0, 1.0)).splitlines() == ["  pass  " + "x" * 88, " " * 8 + "end (1/1)"]
+
+
+@pytest.mark.parametrize("path", REVEALING, ids=lambda p: p.name)
+def test_no_text_above_a_reveal_states_its_answer(path):
+    """README, "Predict, then measure": the prose a learner reads before predicting holds none of the answer's
+    numbers in the order the reveal gives them (lesson 09's "from 15 to 9 tile-times" gave `09.causal_tiles`
+    away above its reveal). Searched: the markdown cells above each reveal; one-digit numbers are not
+    searched for (they match too much)."""
+    cells = _cells(path)
+    problems = []
+    for index, cell in enumerate(cells):
+        found = REVEAL_LINE.search(_source(cell)) if cell["cell_type"] == "code" else None
+        if not found:
+            continue
+        prediction_id = found.group(1)
+        recorded = _recorded_answers(prediction_id.split(".")[0])
+        pattern = _answer_pattern(recorded.get(prediction_id, []))
+        for number, above in enumerate(cells[:index]):
+            line = _answer_line(_source(above), pattern) if above["cell_type"] == "markdown" else None
+            if line is not None:
+                problems.append(f"cell {number}'s text states the answer to {prediction_id} "
+                                f"{recorded[prediction_id]} above its reveal: {line.strip()[:160]!r}")
+    assert not problems, f"{path.name}:\n" + "\n".join(problems)

@@ -132,7 +132,10 @@ PREDICTIONS: dict[str, Prediction] = {
                      "which 1/p, the piece of its own heads, stays: 3/4 x 262,144 = 196,608 bytes. The ring sends "
                      "k and v, 131,072 bytes, p - 1 = 3 times: 393,216 bytes. Ulysses over the ring: "
                      "(4(p - 1)/p) / (2(p - 1)) = 2/p, the same at p = 2, half at p = 4; Ulysses' bytes per rank "
-                     "fall as 1/p, the ring's stay near the whole sequence's k and v."),
+                     "fall as 1/p, the ring's stay near the whole sequence's k and v. That holds with as many "
+                     "k/v heads as query heads, as here: under grouped-query attention the ring moves only the "
+                     "few k/v heads, and Ulysses sends (h + h_kv)/(p h_kv) of the ring's bytes (Llama 3 8B's "
+                     "32/8 heads: fewer only beyond p = 5)."),
         unit="B",
     ),
 }

@@ -10,6 +10,7 @@ compute from one waited for first.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import inspect
 import time
 
@@ -96,11 +97,39 @@ def _recorded(computes: list, waits: list, messages: list, refuse: bool):
             yield
         waited = {w[2] for w in waits}
         for work, handle in enumerate(kept):       # sends too: gloo would go on polling a dropped pending one
-            if work not in waited:
-                wait_(handle)                      # not recorded: the judge names a receive never waited for
+            if work not in waited:                 # not recorded: the judge names a receive never waited for
+                _complete(wait_, handle, next(m for m in messages if m[5] == work), messages)
     finally:
         for owner, name, original in saved:
             setattr(owner, name, original)
+
+
+# How long a transfer the learner never waited for may take to complete after the function returns. Its peer
+# has posted the other half by then, or never will (on gloo a wait that times out closes the pair: the rank's
+# group is gone, so the run ends here, with the reason).
+UNMATCHED_S = 5.0
+
+
+def _complete(wait_, handle, message: list, messages: list) -> None:
+    """Wait for a transfer the learner left unwaited, at most UNMATCHED_S; raise one line naming it if its peer
+    never posted the matching half (an isend with no irecv, or the reverse)."""
+    try:
+        wait_(handle, timeout=datetime.timedelta(seconds=UNMATCHED_S))
+    except RuntimeError:
+        kind, peer, size = message[0], message[1], message[2]
+        nth = sum(1 for m in messages[:messages.index(message) + 1] if m[0] == kind)
+        done = "received" if kind == "send" else "sent"
+        other = "irecv" if kind == "send" else "isend"
+        raise RuntimeError(
+            f"{kind} {nth} ({'to' if kind == 'send' else 'from'} rank {peer}, {size:,} bytes) was never {done}: "
+            f"every {'isend' if kind == 'send' else 'irecv'} needs a matching {other} on its peer, and a ring's "
+            f"last step sends nothing ({_count(messages, 'send')} and {_count(messages, 'recv')} here)") from None
+
+
+def _count(messages: list, kind: str) -> str:
+    """"3 sends", "1 receive": how many transfers of one kind the learner posted."""
+    n = sum(1 for m in messages if m[0] == kind)
+    return f"{n} {'send' if kind == 'send' else 'receive'}{'' if n == 1 else 's'}"
 
 
 def _tensor(value, name: str):
