@@ -21,7 +21,7 @@ _LAZY = {
     "comm_counts": "measure.comm",
     # in the kernel: draw what the ranks published (each returns its data)
     "show_collective": "draw.collectives", "show_sharding": "draw.sharding", "draw_mesh": "draw.sharding",
-    "show_memory": "draw.memory", "draw_schedule": "draw.pipeline", "comm_table": "measure.comm", "show_timeline": "draw.comm", "show_comm": "draw.comm",
+    "show_memory": "draw.memory", "draw_schedule": "draw.pipeline", "draw_flow": "draw.flow", "comm_table": "measure.comm", "show_timeline": "draw.comm", "show_comm": "draw.comm",
     "memory_explorer": "draw.widgets", "ring_allreduce_stepper": "draw.widgets",
     # at scale, without the hardware (fake process group, meta tensors; labelled SIMULATED)
     "simulate_table": "measure.simulate", "show_simulation": "draw.simulation",
@@ -67,6 +67,7 @@ __all__ = [
     "describe_machine",
     "device",
     "device_mesh",
+    "draw_flow",
     "draw_mesh",
     "draw_schedule",
     "init",

@@ -27,7 +27,7 @@ from .spec import Prediction, Tolerance
 
 __all__ = ["LESSONS", "Prediction", "Tolerance", "UnknownPrediction", "all_predictions", "prediction"]
 
-LESSONS = ("01", "02", "03", "04", "05", "06", "07", "08", "09")  # each has predictions/lessonNN.py
+LESSONS = ("01", "02", "03", "04", "05", "06", "07", "08", "09", "10")  # each has predictions/lessonNN.py
 
 
 class UnknownPrediction(KeyError):
