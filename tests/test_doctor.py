@@ -40,7 +40,7 @@ def test_a_good_machine_is_ready_and_exits_0(capsys):
     assert set(statuses(good_facts()).values()) == {OK}
     assert checks.main([], facts=good_facts()) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[-1] == "verdict: ready for the course (9 checks passed)"
+    assert out.splitlines()[-1] == "verdict: ready for the course (10 checks passed)"
     assert "what to do" not in out
 
 
@@ -62,6 +62,7 @@ def test_a_good_machine_is_ready_and_exits_0(capsys):
     ({"packages": {**good_facts().packages, "ipywidgets": None}}, "jupyter", BLOCKING),
     ({"save_widget_state": False}, "widget state", WARN),
     ({"save_widget_state": None}, "widget state", WARN),
+    ({"launch_port": "port 29500 on 127.0.0.1 cannot be bound (Address already in use)"}, "launch port", WARN),
 ])
 def test_each_check_names_the_problem_and_what_to_do(changes, check, status, capsys):
     facts = good_facts(**changes)
@@ -114,7 +115,8 @@ def test_this_machine_reads_as_it_is():
     import torch
 
     assert facts.torch == torch.__version__ and facts.backends["gloo"]
-    assert facts.cores == len(os.sched_getaffinity(0))
+    quota = checks._cpu_quota(pathlib.Path("/sys/fs/cgroup"), pathlib.Path("/proc/self/cgroup"))
+    assert facts.cores == min(len(os.sched_getaffinity(0)), quota or len(os.sched_getaffinity(0)))
     assert facts.localhost == ""
     assert all(facts.packages.values())
     assert facts.job is None  # not run
@@ -185,4 +187,44 @@ def test_widget_state_is_read_as_jupyterlab_reads_it(tmp_path, monkeypatch, over
                             schema_name=checks.WIDGET_PLUGIN, labextensions_path=[labextensions])
     seen_by_jupyterlab = found["settings"].get("saveState", found["schema"]["properties"]["saveState"]["default"])
     assert seen_by_jupyterlab is expected
-    assert checks._widget_state_setting() == (expected, str(app / "settings" / "overrides.json"))
+    found_user = str(path) if user is not None else ""
+    assert checks._widget_state_setting() == (expected, str(app / "settings" / "overrides.json"), found_user)
+    if user is not None and not expected:  # the learner's own setting: the course's overrides.json cannot help
+        todo = checks.check_widget_state(expected, "overrides.json", found_user).todo
+        assert "beats the course's overrides.json" in todo and "lab_settings" not in todo
+
+
+def test_json_prints_json_only_from_the_real_command():
+    done = _doctor("--json", "--no-job")
+    reply = json.loads(done.stdout)  # the whole of stdout: no header line before it
+    assert {f["check"] for f in reply["findings"]} >= {"cores", "launch port", "widget state"}
+
+
+@pytest.mark.parametrize("limits, expected", [
+    ({"cpu.max": "max 100000", "course.slice/cpu.max": "150000 100000"}, 2),  # 1.5 cores' quota: 2 cores
+    ({"cpu.max": "100000 100000", "course.slice/cpu.max": "max 100000"}, 1),  # an ancestor's quota counts
+    ({"cpu.max": "max 100000"}, None),  # no quota
+    ({}, None),  # no cgroup v2 files at all
+])
+def test_cpu_quota_is_read_from_cgroup_v2_along_the_own_cgroups_path(tmp_path, limits, expected):
+    root = tmp_path / "cgroup"
+    (root / "course.slice" / "learner.scope").mkdir(parents=True)
+    for where, text in limits.items():
+        (root / where).write_text(text + "\n")
+    own = tmp_path / "self_cgroup"
+    own.write_text("0::/course.slice/learner.scope\n")
+    assert checks._cpu_quota(root, own) == expected
+    cores = checks._cores(root, own)
+    assert cores == min(len(os.sched_getaffinity(0)), expected or 10**6)
+
+
+def test_a_taken_launch_port_is_named():
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        problem = checks._launch_port(port)
+    assert problem.startswith(f"port {port} on 127.0.0.1 cannot be bound"), problem
+    assert checks._launch_port(port) == ""  # free again

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
+import math
 import os
 import pathlib
 import platform
@@ -59,17 +60,42 @@ class Facts:
     packages: dict[str, str | None] = dataclasses.field(default_factory=dict)  # Jupyter's, None when missing
     save_widget_state: bool | None = None  # JupyterLab's effective setting; None when it cannot be read
     settings_file: str = ""  # the overrides.json `make install` writes
+    widget_user_file: str = ""  # the user settings file, when it is what sets saveState (it beats overrides.json)
+    launch_port: str = ""  # "" when launch/multinode.sh's default rendezvous port is free, else what holds it
     job: str | None = None  # the 2-rank gloo job: "" when it ran and gave the right sum, else what went wrong
     job_s: float = 0.0
 
 
 # ---------------------------------------------------------------- reading the facts
 
-def _cores() -> int:
+def _cores(cgroup_root: pathlib.Path = pathlib.Path("/sys/fs/cgroup"),
+           own_cgroup: pathlib.Path = pathlib.Path("/proc/self/cgroup")) -> int:
+    """The cores this process may use: the CPUs it may run on (cpusets, taskset), and no more than its CPU
+    quota allows (cgroup v2 `cpu.max`: what JupyterHub's systemd and Kubernetes spawners set)."""
     try:
-        return len(os.sched_getaffinity(0))  # what this process may use, not what the machine has
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # macOS, Windows
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    quota = _cpu_quota(cgroup_root, own_cgroup)
+    return max(1, min(cores, quota)) if quota is not None else cores
+
+
+def _cpu_quota(cgroup_root: pathlib.Path, own_cgroup: pathlib.Path) -> int | None:
+    """Cores' worth of CPU time this process's cgroup and its ancestors allow (cgroup v2 `cpu.max`, "QUOTA
+    PERIOD" or "max PERIOD"), rounded up; None when there is no quota or no cgroup v2 to read."""
+    try:
+        line = next(ln for ln in own_cgroup.read_text().splitlines() if ln.startswith("0::"))
+    except (OSError, StopIteration):
+        return None
+    path, limits = pathlib.PurePosixPath(line[3:].strip() or "/"), []
+    for folder in (path, *path.parents):
+        try:
+            quota, period = (cgroup_root / folder.relative_to("/") / "cpu.max").read_text().split()
+        except (OSError, ValueError):
+            continue
+        if quota != "max":
+            limits.append(math.ceil(int(quota) / int(period)))
+    return min(limits) if limits else None
 
 
 def _localhost() -> str:
@@ -90,6 +116,21 @@ def _localhost() -> str:
     finally:
         for sock in held:
             sock.close()
+    return ""
+
+
+LAUNCH_PORT = 29500  # launch/multinode.sh's default RDZV_ENDPOINT port (and torchrun's without --standalone)
+
+
+def _launch_port(port: int = LAUNCH_PORT) -> str:
+    """"" when `port` can be bound on 127.0.0.1, else why not (another program listens there)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError as error:
+        return f"port {port} on 127.0.0.1 cannot be bound ({error.strerror or error})"
+    finally:
+        sock.close()
     return ""
 
 
@@ -117,21 +158,25 @@ def _read_json5(path: pathlib.Path) -> dict:
     return json5.loads(path.read_text()) if path.is_file() else {}
 
 
-def _widget_state_setting() -> tuple[bool | None, str]:
-    """saveState as JupyterLab will see it (user setting, else overrides.json, else the default); the overrides file."""
+def _widget_state_setting() -> tuple[bool | None, str, str]:
+    """saveState as JupyterLab will see it (user setting, else overrides.json, else the default); the overrides
+    file; the user settings file when it is the one that sets saveState ("" when not)."""
     app, user, labextensions = _lab_dirs()
     settings_file = app / "settings" / "overrides.json"
     package, plugin = WIDGET_PLUGIN.split(":")
     schema = labextensions / package / "schemas" / package / f"{plugin}.json"
+    user_file = user / package / f"{plugin}.jupyterlab-settings"
     try:
         if not schema.is_file():
-            return None, str(settings_file)  # no widget manager installed in this environment
+            return None, str(settings_file), ""  # no widget manager installed in this environment
         value = _read_json5(schema)["properties"]["saveState"].get("default", False)
         value = _read_json5(settings_file).get(WIDGET_PLUGIN, {}).get("saveState", value)
-        value = _read_json5(user / package / f"{plugin}.jupyterlab-settings").get("saveState", value)
+        users = _read_json5(user_file)
     except (OSError, ValueError, KeyError, ImportError):
-        return None, str(settings_file)
-    return bool(value), str(settings_file)
+        return None, str(settings_file), ""
+    if "saveState" in users:
+        return bool(users["saveState"]), str(settings_file), str(user_file)
+    return bool(value), str(settings_file), ""
 
 
 JOB = """\
@@ -169,6 +214,7 @@ def _run_job(timeout_s: float = 120.0) -> tuple[str, float]:
 def read_facts(*, run_job: bool = True) -> Facts:
     """This machine's facts; `run_job=False` skips the 2-rank job (a few seconds)."""
     facts = Facts(python=tuple(sys.version_info[:3]), torch=None, cores=_cores(), localhost=_localhost(),
+                  launch_port=_launch_port(),
                   packages={name: _package_version(name) for name in JUPYTER_PACKAGES})
     try:
         import torch
@@ -182,7 +228,7 @@ def read_facts(*, run_job: bool = True) -> Facts:
             facts.backends = {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available()}
         if torch.cuda.is_available():
             facts.gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    facts.save_widget_state, facts.settings_file = _widget_state_setting()
+    facts.save_widget_state, facts.settings_file, facts.widget_user_file = _widget_state_setting()
     if run_job and facts.torch and facts.backends.get("gloo"):
         facts.job, facts.job_s = _run_job()
     return facts
@@ -267,6 +313,16 @@ def check_ports(problem: str) -> Finding:
     return Finding("ports", OK, f"localhost resolves and {MAX_RANKS + 1} free ports open on 127.0.0.1")
 
 
+def check_launch_port(problem: str) -> Finding:
+    """Notebook cells pick free ports; launch/multinode.sh (and torchrun without --standalone) use 29500."""
+    if problem:
+        return Finding("launch port", WARN, f"{problem}: launch/multinode.sh's default rendezvous port is taken "
+                       "(notebook cells are not affected: they pick free ports)",
+                       f"give the launcher another port: RDZV_ENDPOINT=127.0.0.1:29600 bash launch/multinode.sh ..., "
+                       f"or stop the program on port {LAUNCH_PORT} (`ss -ltnp | grep {LAUNCH_PORT}` names it)")
+    return Finding("launch port", OK, f"port {LAUNCH_PORT} free for launch/multinode.sh's rendezvous")
+
+
 def check_job(problem: str | None, seconds: float) -> Finding | None:
     if problem is None:
         return None  # not run: torch or gloo is missing, which another check says
@@ -285,9 +341,12 @@ def check_jupyter(packages: dict[str, str | None]) -> Finding:
     return Finding("jupyter", OK, ", ".join(f"{name} {version}" for name, version in packages.items()))
 
 
-def check_widget_state(on: bool | None, settings_file: str) -> Finding:
+def check_widget_state(on: bool | None, settings_file: str, user_file: str = "") -> Finding:
     todo = (f"`python -m course_lib.doctor.lab_settings {settings_file}` (`make install` does it), or "
             "Settings > Jupyter Widgets > Save Jupyter widget state in notebook")
+    if user_file:  # a user setting beats overrides.json: only the user's own setting can turn it back on
+        todo = ("your own JupyterLab setting turns it off, and it beats the course's overrides.json: Settings > "
+                f"Jupyter Widgets > Save Jupyter widget state in notebook (or \"saveState\": true in {user_file})")
     if on is None:
         return Finding("widget state", WARN, "JupyterLab's widget setting cannot be read (no jupyterlab_widgets?)",
                        todo)
@@ -301,7 +360,8 @@ def judge(facts: Facts) -> list[Finding]:
     found = [check_python(facts.python), check_torch(facts.torch, facts.torch_error), check_distributed(facts),
              check_gpus(facts), check_cores(facts.cores), check_ports(facts.localhost),
              check_job(facts.job, facts.job_s), check_jupyter(facts.packages),
-             check_widget_state(facts.save_widget_state, facts.settings_file)]
+             check_launch_port(facts.launch_port),
+             check_widget_state(facts.save_widget_state, facts.settings_file, facts.widget_user_file)]
     return [finding for finding in found if finding is not None]
 
 
@@ -335,8 +395,9 @@ def main(argv: list[str] | None = None, *, facts: Facts | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the findings as JSON instead")
     args = parser.parse_args(argv)
     if facts is None:
-        job = "" if args.no_job else " (its 2-rank job takes a few seconds)"
-        print(f"course doctor: checking this machine, {platform.system()} {platform.machine()}{job}", flush=True)
+        if not args.json:  # --json prints JSON only: a setup script parses stdout whole
+            job = "" if args.no_job else " (its 2-rank job takes a few seconds)"
+            print(f"course doctor: checking this machine, {platform.system()} {platform.machine()}{job}", flush=True)
         facts = read_facts(run_job=not args.no_job)
     findings = judge(facts)
     if args.json:
