@@ -50,7 +50,8 @@ def as_the_api_server_checks(node, in_properties=False):
     if in_properties:  # field name -> schema
         return {name: as_the_api_server_checks(schema) for name, schema in node.items()}
     out = {key: as_the_api_server_checks(value, in_properties=key == "properties") for key, value in node.items()}
-    if "properties" in out and "additionalProperties" not in out and not out.get("x-kubernetes-preserve-unknown-fields"):
+    open_ended = "additionalProperties" in out or out.get("x-kubernetes-preserve-unknown-fields")
+    if "properties" in out and not open_ended:
         out["additionalProperties"] = False
     if out.get("x-kubernetes-int-or-string") and "anyOf" not in out:
         out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
@@ -97,7 +98,8 @@ def manifest(name):
 
 def header(name):
     lines = (K8S / name).read_text().splitlines()
-    return "\n".join(line for line in lines[:lines.index(next(l for l in lines if not l.startswith("#")))])
+    first = next(i for i, line in enumerate(lines) if not line.startswith("#"))
+    return "\n".join(lines[:first])
 
 
 def pod_patch(job):
@@ -165,9 +167,10 @@ def break_trainjob(job, how):
         return "spec.trainer: Additional properties are not allowed ('numProcsPerNode' was unexpected)"
     if how == "typo deep in the patch":
         container["volumeMounts"][0]["mountpath"] = container["volumeMounts"][0].pop("mountPath")
-        path = "spec.runtimePatches.0.trainingRuntimeSpec.template.spec.replicatedJobs.0.template.spec.template.spec"
-        return [f"{path}.containers.0.volumeMounts.0: 'mountPath' is a required property",
-                f"{path}.containers.0.volumeMounts.0: Additional properties are not allowed ('mountpath' was unexpected)"]
+        pod = "spec.runtimePatches.0.trainingRuntimeSpec.template.spec.replicatedJobs.0.template.spec.template.spec"
+        mount = f"{pod}.containers.0.volumeMounts.0"
+        return [f"{mount}: 'mountPath' is a required property",
+                f"{mount}: Additional properties are not allowed ('mountpath' was unexpected)"]
     if how == "numProcPerNode as a string":  # int32 from v2.2 (int-or-string in v2.1)
         job["spec"]["trainer"]["numProcPerNode"] = "4"
         return "spec.trainer.numProcPerNode: '4' is not of type 'integer'"

@@ -7,7 +7,8 @@ set -euo pipefail
 course=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 PYTHON=${PYTHON:-python}
 if ! torch_version=$("$PYTHON" -c 'import importlib.metadata as m; print(m.version("torch"))' 2>/dev/null); then
-  echo "install.sh: no torch in $(command -v "$PYTHON" || echo "$PYTHON"); start from an image that has it (launch/image/Dockerfile) or install torch first" >&2
+  where=$(command -v "$PYTHON" || echo "$PYTHON")
+  echo "install.sh: no torch in $where; start from an image that has it (launch/image/Dockerfile) or install torch first" >&2
   exit 1
 fi
 constraints=$(mktemp)
