@@ -21,9 +21,11 @@ import importlib.metadata
 import json
 import os
 import shutil
+import site as site_module
 import string
 import subprocess
 import sys
+import sysconfig
 import textwrap
 
 import pytest
@@ -314,7 +316,8 @@ def test_install_script_in_a_fresh_venv(tmp_path):
     # The packages (pip, torch, transformers...) from this interpreter's site-packages instead of a download:
     # a plain path in a .pth, so this site's own .pth files (its editable course_lib) stay out.
     site = next((venv / "lib").glob("python3*/site-packages"))
-    (site / "this-interpreters-site.pth").write_text("\n".join(p for p in sys.path if p.endswith("site-packages")))
+    ours = dict.fromkeys([*site_module.getsitepackages(), sysconfig.get_path("purelib"), sysconfig.get_path("platlib")])
+    (site / "this-interpreters-site.pth").write_text("\n".join(p for p in ours if os.path.isdir(p)))
     python = venv / "bin" / "python"
     env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path), "PIP_NO_INDEX": "1",
            "PIP_DISABLE_PIP_VERSION_CHECK": "1", "HF_HUB_OFFLINE": "1"}
