@@ -130,7 +130,7 @@ def test_manifest_passes_the_schema_of_each_release_it_names(name, schema):
     minor = src["tag"].rsplit(".", 1)[0]  # v2.3.0 -> v2.3: the header and the README name the release line
     assert minor in header(name), f"{name}'s header does not name {minor}"
     readme = (LAUNCH / "README.md").read_text()
-    assert f"{src['tag']}" in readme and name in readme
+    assert src["tag"] in readme and name in readme
 
 
 OLD_PATCH = yaml.safe_load("""
@@ -163,7 +163,7 @@ def test_the_old_pod_template_overrides_manifest_fails_v2_2_and_v2_3_and_passed_
 
 
 def break_trainjob(job, how):
-    pod, [container] = pod_patch(job)
+    _, [container] = pod_patch(job)
     if how == "typo in trainer":
         job["spec"]["trainer"]["numProcsPerNode"] = job["spec"]["trainer"].pop("numProcPerNode")
         return "spec.trainer: Additional properties are not allowed ('numProcsPerNode' was unexpected)"
