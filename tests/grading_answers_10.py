@@ -71,25 +71,24 @@ import torch
 import torch.distributed as dist
 
 
-class Swap(torch.autograd.Function):
-    """Rows out by `sizes_out`, rows in by `sizes_in`; the gradient takes the way back."""
-
-    @staticmethod
-    def forward(ctx, rows, sizes_in, sizes_out):
-        ctx.sizes = sizes_in, sizes_out
-        landed = rows.new_empty((sum(sizes_in), rows.shape[1]))
-        dist.all_to_all_single(landed, rows.contiguous(), output_split_sizes=sizes_in, input_split_sizes=sizes_out)
-        return landed
-
-    @staticmethod
-    def backward(ctx, grad):
-        sizes_in, sizes_out = ctx.sizes
-        home = grad.new_empty((sum(sizes_out), grad.shape[1]))
-        dist.all_to_all_single(home, grad.contiguous(), output_split_sizes=sizes_out, input_split_sizes=sizes_in)
-        return home, None, None
-
-
 def dedup_moe(x, router, gate_up, down, k, route, expert_mlp):
+    class Swap(torch.autograd.Function):
+        """Rows out by `sizes_out`, rows in by `sizes_in`; the gradient takes the way back."""
+
+        @staticmethod
+        def forward(ctx, rows, sizes_in, sizes_out):
+            ctx.sizes = sizes_in, sizes_out
+            landed = rows.new_empty((sum(sizes_in), rows.shape[1]))
+            dist.all_to_all_single(landed, rows.contiguous(), output_split_sizes=sizes_in, input_split_sizes=sizes_out)
+            return landed
+
+        @staticmethod
+        def backward(ctx, grad):
+            sizes_in, sizes_out = ctx.sizes
+            home = grad.new_empty((sum(sizes_out), grad.shape[1]))
+            dist.all_to_all_single(home, grad.contiguous(), output_split_sizes=sizes_out, input_split_sizes=sizes_in)
+            return home, None, None
+
     world = dist.get_world_size()
     n_tokens, n_experts, per_rank = x.shape[0], router.shape[0], gate_up.shape[0]
     _, weights, experts = route(x, router, k)
