@@ -27,8 +27,8 @@ from course_lib.predictions import all_predictions
 from course_lib.predictions.reveal import ANSWERS_ENV, RevealError, record_answer, reveal, write_first
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-LESSONS = ("01", "02", "03", "04", "05", "06", "07", "08", "09")  # with exercises
-REVEAL_LESSONS = LESSONS + ("10",)  # lessons with predictions (10: its exercises come with a later part)
+LESSONS = ("01", "02", "03", "04", "05", "06", "07", "08", "09", "10")  # with exercises
+REVEAL_LESSONS = LESSONS  # lessons with predictions
 MIN_REVEALS = {"01": 2, "02": 2, "03": 2, "04": 4, "05": 4, "06": 3, "07": 3, "08": 3, "09": 3, "10": 3}
 NEW_EXERCISES = ("02.ddp_from_scratch", "03.zero1_by_hand", "04.memory_per_rank", "05.zero3_linear", "05.hsdp_mesh",
                  "06.sp_mlp", "06.vocab_embedding", "06.vocab_cross_entropy", "07.crash_safe_save", "08.gpipe",

@@ -20,7 +20,7 @@ import types
 
 from .spec import Exercise, RunSpec
 
-LESSONS = ("01", "02", "03", "04", "05", "06", "07", "08", "09")  # each has course_lib/grading/lessons/lessonNN/
+LESSONS = ("01", "02", "03", "04", "05", "06", "07", "08", "09", "10")  # each has course_lib/grading/lessons/lessonNN/
 
 __all__ = ["UnknownExercise", "exercise", "exercises_of_lesson", "load_hidden", "public_exercises"]
 

@@ -1,0 +1,1 @@
+"""Lesson 10: mixture of experts and expert parallelism."""
