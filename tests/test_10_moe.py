@@ -1,6 +1,7 @@
 """Lesson 10 (mixture of experts, expert parallelism): `cl.draw_flow` (a p x p matrix per step, its row and
 column sums), and the predictions' measures against their formulas (the dispatch and combine bytes, the pairs
-dropped at a capacity, the padded dispatch's bytes).
+dropped at a capacity, the padded dispatch's bytes, an expert's gradient under EP x DP divided by its column's
+size).
 
 Fast, single-process: the lesson's runs themselves are checked under nbval (notebooks/10_moe_expert_parallel.ipynb).
 """
@@ -12,7 +13,7 @@ import pytest
 import course_lib as cl
 from course_lib.draw.figures import overflow_inches
 from course_lib.predictions import LESSONS, all_predictions, prediction
-from course_lib.predictions.lesson10 import capacity, dropped, float_all_to_alls
+from course_lib.predictions.lesson10 import capacity, column_mean_factor, dropped, float_all_to_alls
 
 
 def test_draw_flow_prints_each_step_with_what_every_rank_sent_and_received(capsys):
@@ -36,7 +37,7 @@ def test_draw_flow_names_bad_input_in_one_line(steps, says):
 def test_the_lessons_predictions_are_registered():
     assert "10" in LESSONS
     assert sorted(p for p in all_predictions() if p.startswith("10.")) == [
-        "10.capacity_bytes", "10.dropped", "10.ep_bytes"]
+        "10.capacity_bytes", "10.dropped", "10.ep_bytes", "10.expert_grad_factor"]
 
 
 def _a2a(*rows: int, dtype: str = "float32") -> list[dict]:
@@ -75,3 +76,18 @@ def test_capacity_bytes_is_the_padded_buffer_whatever_the_routing():
     assert spec.measure(results, ledgers) == spec.formula(results) == 1280
     unpadded = {0: [{"op": "all_to_all_single", "dtype": "float32", "bytes": 29 * 32}] * 6}   # only the kept pairs
     assert spec.measure(results, unpadded) != spec.formula(results)
+
+
+def test_expert_grad_factor_is_the_world_over_the_column_and_catches_a_sum_over_the_row_only():
+    import torch
+
+    one = [torch.arange(1.0, 7.0).view(2, 3), torch.tensor([0.5, -2.0])]   # one process's gradients, any values
+    spec = prediction("10.expert_grad_factor")
+    mesh = {"dp_mod_ep": 2, "ep": 2}
+    run = {"mesh": mesh, "summed": [4 * g for g in one], "one_process": one}   # the column's sum: all 4 ranks' losses
+    assert column_mean_factor(run["summed"], one, 2) == 2.0
+    assert spec.measure({"epdp": {0: run}}, {}) == spec.formula({"epdp": {0: run}}) == 2.0
+    row_only = {**run, "summed": [2 * g for g in one]}                     # no all_reduce over the column
+    assert spec.measure({"epdp": {0: row_only}}, {}) != spec.formula({"epdp": {0: row_only}})
+    wide = {"mesh": {"dp_mod_ep": 2, "ep": 4}, "summed": [8 * g for g in one], "one_process": one}   # 8 ranks, ep 4
+    assert spec.measure({"epdp": {0: wide}}, {}) == spec.formula({"epdp": {0: wide}}) == 4.0

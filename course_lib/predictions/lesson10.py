@@ -3,8 +3,10 @@
 Each measures from what a run cell of notebooks/10_moe_expert_parallel.ipynb published (`cl.results`) and from
 the ledger of the cell that published it: the bytes rank 0's dispatch and combine all-to-alls put in when every
 token goes to rank 0's experts (expert parallelism on 2 ranks, the ledger's `all_to_all_single` records), the
-(token, expert) pairs rank 0 drops at capacity factor 1.0 (counted on the rank), and the bytes of its padded
-dispatch at capacity factor 1.25 (the ledger).
+(token, expert) pairs rank 0 drops at capacity factor 1.0 (counted on the rank), the bytes of its padded
+dispatch at capacity factor 1.25 (the ledger), and, under EP x DP on a ("dp_mod_ep", "ep") mesh, how far an
+expert's gradient summed over its column and divided by the column's size is from one process's (the gradients
+rank 0 published).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import math
 
 from .spec import Prediction
 
-__all__ = ["PREDICTIONS", "capacity", "dropped", "float_all_to_alls"]
+__all__ = ["PREDICTIONS", "capacity", "column_mean_factor", "dropped", "float_all_to_alls"]
 
 FLOAT32 = 4  # bytes
 
@@ -57,6 +59,27 @@ def _capacity_bytes_formula(results) -> int:
     return run["experts"] * slots * run["hidden"] * FLOAT32
 
 
+def column_mean_factor(summed: list, one_process: list, column: int) -> float:
+    """How many times one process's gradient an expert's gradient is when its column's sum (`summed`, one tensor
+    per weight) is divided by the column's size: the ratio of the norms, to 3 decimals."""
+    import torch
+
+    mean = torch.cat([g.flatten() for g in summed]) / column
+    return round(float(mean.norm() / torch.cat([g.flatten() for g in one_process]).norm()), 3)
+
+
+def _factor_measured(results, ledgers) -> float:
+    run = results["epdp"][0]
+    return column_mean_factor(run["summed"], run["one_process"], run["mesh"]["dp_mod_ep"])
+
+
+def _factor_formula(results) -> float:
+    mesh = results["epdp"][0]["mesh"]
+    world = mesh["dp_mod_ep"] * mesh["ep"]
+    # The column's sum covers every rank's loss: one process's mean divides it by the world size.
+    return float(world / mesh["dp_mod_ep"])
+
+
 PREDICTIONS: dict[str, Prediction] = {
     "10.ep_bytes": Prediction(
         id="10.ep_bytes",
@@ -97,5 +120,20 @@ PREDICTIONS: dict[str, Prediction] = {
                      "and some of the pairs dropped all the same. The capacity factor buys static shapes (no count "
                      "exchange, no host sync) with padding and dropped tokens."),
         unit="B",
+    ),
+    "10.expert_grad_factor": Prediction(
+        id="10.expert_grad_factor",
+        question=("EP x DP on a 2 x 2 (dp_mod_ep, ep) mesh: an expert's gradient, summed over its column and divided "
+                  "by the column's size, over one process's"),
+        needs="epdp",
+        measure=_factor_measured,
+        formula=_factor_formula,
+        explanation=("the backward all-to-all already brought each expert the gradients of every row it computed: "
+                     "the tokens of both ranks of its row (ep = 2). The all_reduce over its column adds the other "
+                     "row's copy, so the sum covers all 4 ranks' losses. One process's loss is the mean over all 64 "
+                     "tokens, the mean of the 4 ranks' losses (16 tokens each), so the divisor is the world size, 4, "
+                     "as for the dense weights; the column's size, 2, leaves an expert's gradient 4 / 2 = ep = 2 "
+                     "times one process's. launch/moe.py divides by ep in a hook and lets FSDP2 take the column's "
+                     "mean; torchtitan and transformers set the experts' FSDP2 divide factor to the data-parallel size."),
     ),
 }
