@@ -129,9 +129,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if "RANK" in os.environ:  # under torchrun by hand: the world size is known before any rank starts work
         if problem := check(args, int(os.environ["WORLD_SIZE"])):
             fail(problem)  # one line from the first rank of each node, which exits 2 before the group forms
-    elif problem := size_problem(args) or folder_problem(args):  # one process: the layout flags are ignored
-        fail(problem)
     return args
+
+
+def main(argv: list[str] | None = None) -> float:
+    """`python launch/train.py` or a rank under torchrun; one process checks the sizes and --ckpt-dir first
+    (its layout flags are ignored), as parse_args does for a rank under torchrun."""
+    args = parse_args(argv)
+    if "RANK" not in os.environ and (problem := size_problem(args) or folder_problem(args)):
+        fail(problem)
+    return train(args)
 
 
 def world_sizes(text: str) -> list[int]:
@@ -759,4 +766,4 @@ def pipeline_step(stage, schedule, tokens: torch.Tensor) -> torch.Tensor:
 
 
 if __name__ == "__main__":
-    train(parse_args())
+    main()
