@@ -14,7 +14,7 @@ if [ $# -lt 1 ]; then
 fi
 # One OpenMP thread per rank unless told otherwise: ranks share the cores.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-"1"}
-# A script that checks its own flags (launch/train.py --check-only) is asked first, with the world size
+# A script that checks its own flags (--check-only, as train.py does) is asked first, with the world size
 # torchrun is about to start: a mistake is one line and exit 2 here, before any rank starts.
 if grep -q -e "--check-only" "$1" 2>/dev/null; then
   "$PYTHON" "$1" --check-only "$NPROC" "${@:2}" || exit $?

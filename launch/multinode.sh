@@ -32,7 +32,7 @@ if [ "$RDZV_BACKEND" = "static" ]; then
   node_rank=(--node-rank "${NODE_RANK:?RDZV_BACKEND=static needs NODE_RANK (0 to NNODES-1)}")
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-"1"}
-# A script that checks its own flags (launch/train.py --check-only) is asked first, for every world size this
+# A script that checks its own flags (--check-only, as train.py does) is asked first, for every world size this
 # job may run on (NPROC x each node count): a mistake is one line and exit 2 here, before any rank starts.
 if grep -q -e "--check-only" "$1" 2>/dev/null; then
   lo=${NNODES%%:*} hi=${NNODES##*:}
