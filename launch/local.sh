@@ -14,6 +14,11 @@ if [ $# -lt 1 ]; then
 fi
 # One OpenMP thread per rank unless told otherwise: ranks share the cores.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-"1"}
+# A script that checks its own flags (--check-only, as train.py does) is asked first, with the world size
+# torchrun is about to start: a mistake is one line and exit 2 here, before any rank starts.
+if grep -q -e "--check-only" "$1" 2>/dev/null; then
+  "$PYTHON" "$1" --check-only "$NPROC" "${@:2}" || exit $?
+fi
 # --standalone: torchrun hosts its own rendezvous on a free local port.
 # --tee 3 --role rank: every line of stdout and stderr arrives whole, prefixed
 # with its local rank ("[rank0]:"), instead of ranks' writes mixing mid-line.

@@ -37,13 +37,17 @@ one layout loads under another.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import os
 import pathlib
+import re
 import shutil
 import signal
+import socket
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -56,11 +60,32 @@ import moe  # noqa: E402
 import ring_attention  # noqa: E402
 from course_lib.models import LLAMA_CONFIG, make_llama, make_tokens  # noqa: E402
 
+# One process saves and loads DCP checkpoints without a group (torch warns that it assumes so, on every call).
+warnings.filterwarnings("ignore", message=r"torch\.distributed is .*single process")
 COMPLETE = "COMPLETE"  # written by rank 0 after dcp.save returned on every rank: this checkpoint is whole
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a mistyped or missing flag is one line (not the usage block), printed once under torchrun."""
+
+    def error(self, message: str):
+        fail(f"{message} (python launch/train.py --help lists the flags)")
+
+
+def fail(problem: str):
+    """Print `train.py: error: PROBLEM` once and exit 2: under torchrun only local rank 0 prints it.
+
+    The other ranks leave quietly with 0: had one exited 2 first, torchrun would SIGTERM local rank 0, maybe
+    before its line. The job still fails (torchrun: exit 1, its report's root cause local rank 0's exit 2).
+    """
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        raise SystemExit(0)
+    print(f"train.py: error: {problem}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--parallel", choices=("ddp", "fsdp", "2d"), default="2d",
                    help="ddp: replicate; fsdp: FSDP2 over all ranks; 2d: FSDP2 over dp x TP over tp (default)")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size for --parallel 2d (divides the world size)")
@@ -92,27 +117,74 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds a collective may wait before failing (torch's default is 30 min for gloo)")
     p.add_argument("--crash-at-step", type=int, default=None,
                    help="rehearse a crash: on the first attempt the last rank SIGKILLs itself before this step")
+    p.add_argument("--check-only", type=world_sizes, default=None, metavar="WORLD[,WORLD...]",
+                   help="check the flags for these world sizes and that --ckpt-dir is writable, then exit: "
+                        "0 if fine, else 2 after one line (the launchers run this before torchrun starts a rank)")
     args = p.parse_args(argv)
-    if "RANK" in os.environ:  # under torchrun: the world size is known before any rank starts work
-        problem = layout_problem(args, int(os.environ["WORLD_SIZE"]))
-        if problem:
-            # One line, from the first rank of each node, which exits 2 before the group forms. The other
-            # ranks leave quietly with 0: had one exited 2 first, torchrun would SIGTERM the first rank,
-            # maybe before its line. The job still fails (torchrun: exit 1, root cause local rank 0's 2).
-            if os.environ.get("LOCAL_RANK", "0") != "0":
-                raise SystemExit(0)
-            print(f"train.py: error: {problem}", file=sys.stderr, flush=True)
-            raise SystemExit(2)
+    if args.check_only is not None:  # a launcher asks, before it starts any rank
+        for world in args.check_only:
+            if problem := check(copy.copy(args), world):
+                fail(problem)
+        raise SystemExit(0)
+    if "RANK" in os.environ:  # under torchrun by hand: the world size is known before any rank starts work
+        if problem := check(args, int(os.environ["WORLD_SIZE"])):
+            fail(problem)  # one line from the first rank of each node, which exits 2 before the group forms
     return args
+
+
+def main(argv: list[str] | None = None) -> float:
+    """`python launch/train.py` or a rank under torchrun; one process checks the sizes and --ckpt-dir first
+    (its layout flags are ignored), as parse_args does for a rank under torchrun."""
+    args = parse_args(argv)
+    if "RANK" not in os.environ and (problem := size_problem(args) or folder_problem(args)):
+        fail(problem)
+    return train(args)
+
+
+def world_sizes(text: str) -> list[int]:
+    """`--check-only 4` or `--check-only 2,4` (an elastic job: every world size it may run on)."""
+    sizes = [int(part) for part in text.split(",")]
+    if not sizes or min(sizes) < 1:
+        raise ValueError(text)
+    return sizes
+
+
+def check(args: argparse.Namespace, world: int) -> str | None:
+    """Everything that can be found wrong before a rank starts: the flags on `world` ranks, then --ckpt-dir."""
+    return layout_problem(args, world) or folder_problem(args)
+
+
+def size_problem(args: argparse.Namespace) -> str | None:
+    """A size or count below 1 (a division by it later, or a run that does nothing), in one line; None if none."""
+    for name in ("tp", "pp", "cp", "ep", "dp", "microbatches", "ckpt_every", "keep", "steps", "seq", "batch"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            return f"--{name.replace('_', '-')} {value}: must be at least 1"
+    return None
+
+
+def folder_problem(args: argparse.Namespace) -> str | None:
+    """Can this process write into --ckpt-dir? Creates it (parents too), then writes and deletes a probe file.
+
+    Found in the first second, not at the first save after minutes of training. The probe's name is this
+    process's own (host and PID), so ranks probing the same folder at once never touch each other's file;
+    nothing else in the folder is read or changed.
+    """
+    if args.ckpt_dir is None:
+        return None
+    probe = args.ckpt_dir / f".write-probe-{socket.gethostname()}-{os.getpid()}"
+    try:
+        args.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        return f"--ckpt-dir {args.ckpt_dir}: cannot write there ({e.strerror or e}): checkpoints could not be saved"
+    return None
 
 
 def layout_problem(args: argparse.Namespace, world: int) -> str | None:
     """What is wrong with the flags on `world` ranks, in one line; None if nothing. Fills args.dp and args.microbatches."""
-    for name in ("tp", "pp", "cp", "ep", "dp", "microbatches", "ckpt_every", "seq"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            return f"--{name.replace('_', '-')} {value}: must be at least 1"
-    if problem := moe_problem(args, world):
+    if problem := size_problem(args) or moe_problem(args, world):
         return problem
     if args.pp > 1 and args.parallel == "ddp":
         return f"--pp {args.pp} needs --parallel fsdp or 2d (pipeline stages are sharded with FSDP2 here, not DDP)"
@@ -444,41 +516,126 @@ class AppState:
         self.step = state_dict["step"]
 
 
+STEP_DIR = re.compile(r"step_(\d{6})")  # a checkpoint folder; anything else in --ckpt-dir is left alone
+
+
+def checkpoints(ckpt_dir: pathlib.Path) -> list[pathlib.Path]:
+    """The step_NNNNNN folders in --ckpt-dir, oldest first."""
+    return sorted(p for p in ckpt_dir.iterdir() if STEP_DIR.fullmatch(p.name) and p.is_dir())
+
+
+def incomplete(folder: pathlib.Path) -> str | None:
+    """Why `folder` is not a whole checkpoint, or None if it is: COMPLETE (rank 0's marker, written after dcp.save
+    returned on every rank) and .metadata (DCP's index of the shards, written last by dcp.save) both there."""
+    if not (folder / COMPLETE).exists():
+        return "no COMPLETE marker (a save that did not finish)"
+    if not (folder / ".metadata").exists():
+        return "COMPLETE but no .metadata (DCP's index of the shards)"
+    return None
+
+
 def newest_complete(ckpt_dir: pathlib.Path) -> pathlib.Path | None:
-    """The newest step_* folder with its COMPLETE marker; a crash mid-save leaves a folder without one."""
-    done = sorted(p for p in ckpt_dir.glob("step_*") if (p / COMPLETE).exists())
+    """The newest step_* folder with its COMPLETE marker and .metadata; a crash mid-save leaves a folder without."""
+    done = [p for p in checkpoints(ckpt_dir) if incomplete(p) is None]
     return done[-1] if done else None
 
 
-def save(app: AppState, args: argparse.Namespace, info: cl.DistInfo) -> None:
+def save(app: AppState, args: argparse.Namespace, info: cl.DistInfo, distributed: bool) -> None:
+    """dcp.save into a new step_NNNNNN folder, COMPLETE by rank 0, then the older ones beyond --keep removed.
+
+    A folder already at this step (a save that did not finish, or a newest checkpoint that did not load and that
+    this run has now trained past) is renamed, not written into or deleted. Rotation removes only complete
+    folders older than this step: a newer one (one that failed to load) stays as it is.
+    """
     import torch.distributed.checkpoint as dcp
 
     path = args.ckpt_dir / f"step_{app.step:06d}"
+    if info.rank == 0 and path.exists():
+        kept = next(path.with_name(f"{path.name}.old{i}") for i in range(1, 10**6)
+                    if not path.with_name(f"{path.name}.old{i}").exists())
+        path.rename(kept)
+        cl.print0(f"{path.name} was there from an earlier run: renamed {kept.name}, nothing deleted")
+    if distributed:
+        dist.barrier()  # nobody writes into the folder before rank 0 has moved an old one away
     dcp.save({"app": app}, checkpoint_id=path)  # returns on every rank after .metadata is written
     if info.rank == 0:
         (path / COMPLETE).write_text(f"step {app.step}\n")
-        for old in sorted(p for p in args.ckpt_dir.glob("step_*") if (p / COMPLETE).exists())[:-args.keep]:
+        older = [p for p in checkpoints(args.ckpt_dir) if p.name < path.name and incomplete(p) is None]
+        for old in older[:max(0, len(older) - (args.keep - 1))]:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def maybe_resume(app: AppState, args: argparse.Namespace, info: cl.DistInfo) -> None:
-    import torch.distributed.checkpoint as dcp
+def load_failure(error: BaseException) -> str:
+    """One line for why a load failed: DCP's CheckpointException holds each rank's exception; the first says it."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        rank, (error, _) = min(failures.items())
+        where = f" on rank {rank}"
+    else:
+        where = ""
+    text = " ".join(str(error).split()) or "(no message)"
+    if isinstance(error, EOFError):  # torch.load's message is empty when a shard file ends before its data
+        text = "a shard file ends before its data (truncated)"
+    return f"{type(error).__name__}{where}: {text[:160]}"
 
-    # Rank 0 chooses and tells the others, so every rank loads the same step even if
-    # a shared filesystem shows a new marker to one node a moment before another.
-    found = [newest_complete(args.ckpt_dir) if info.rank == 0 else None, True]
-    if found[0] is not None:  # the optimizer's format: flattened, or nested (saved before --pp existed)
-        keys = dcp.FileSystemReader(found[0]).read_metadata().state_dict_metadata
-        found[1] = "app.optim.param_groups.0.lr" not in keys
-    dist.broadcast_object_list(found, src=0)
-    if found[0] is None:
-        cl.print0(f"no complete checkpoint in {args.ckpt_dir}: starting at step 1")
-        return
-    app.flat = found[1]
-    dcp.load({"app": app}, checkpoint_id=found[0])
-    app.flat = True  # saves from here on are flattened
-    cl.print0(f"resumed from {found[0].name} (attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}): "
-              f"next step {app.step + 1}")
+
+def maybe_resume(app: AppState, args: argparse.Namespace, info: cl.DistInfo, distributed: bool) -> None:
+    """Load the newest checkpoint that loads; one line for each newer folder skipped, and why. Deletes nothing.
+
+    Rank 0 lists the candidates (COMPLETE and .metadata) and tells the others, so every rank tries the same
+    folders in the same order even if a shared filesystem shows a new marker to one node before another. Every
+    rank tries each one; all ranks then learn every rank's result (all_gather_object), so a folder counts as
+    loaded only if it loaded everywhere, and all ranks move on to the older one together if it did not. A failed
+    attempt may have written part of the model in place: the next load overwrites all of it, and if none loads
+    the run stops rather than train from half-loaded weights.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    candidates: list = [None]
+    if info.rank == 0:
+        newest_first = checkpoints(args.ckpt_dir)[::-1]
+        candidates[0] = [folder for folder in newest_first if incomplete(folder) is None]
+        for folder in newest_first:  # the incomplete ones newer than every complete one, said once each
+            if candidates[0] and folder == candidates[0][0]:
+                break
+            cl.print0(f"skipped {folder.name}: {incomplete(folder)}")
+    if distributed:
+        dist.broadcast_object_list(candidates, src=0)
+    def everyones(error: str | None) -> str | None:
+        """The first rank's error, or None if every rank succeeded: all ranks take the same branch after it."""
+        errors = [error]
+        if distributed:
+            errors = [None] * info.world_size
+            dist.all_gather_object(errors, error)
+        return next((e for e in errors if e), None)
+
+    for folder in candidates[0]:
+        error = None
+        try:  # the optimizer's format: flattened, or nested (saved by train.py before --pp existed)
+            keys = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+            app.flat = "app.optim.param_groups.0.lr" not in keys
+        except Exception as e:
+            error = f"its .metadata does not read: {load_failure(e)}"
+        if not (error := everyones(error)):  # dcp.load is collective: only if every rank read the index
+            try:
+                dcp.load({"app": app}, checkpoint_id=folder)
+            except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+                error = load_failure(e)
+            error = everyones(error)
+        app.flat = True  # saves from here on are flattened
+        if not error:
+            cl.print0(f"resumed from {folder.name} (attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}): "
+                      f"next step {app.step + 1}")
+            return
+        cl.print0(f"could not load {folder.name} ({error}): trying the one before it; nothing deleted")
+    if candidates[0]:
+        if info.rank == 0:
+            print(f"train.py: error: no checkpoint in {args.ckpt_dir} loads (each one named above): move them "
+                  f"away or give another --ckpt-dir", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    app.step = 0
+    cl.print0(f"no complete checkpoint in {args.ckpt_dir}: starting at step 1")
 
 
 # ---------------------------------------------------------------- training
@@ -529,8 +686,7 @@ def train(args: argparse.Namespace, keep: dict | None = None) -> float:
     if args.ckpt_dir is not None:
         if info.rank == 0:
             args.ckpt_dir.mkdir(parents=True, exist_ok=True)
-        if distributed:
-            maybe_resume(app, args, info)
+        maybe_resume(app, args, info, distributed)  # one process too: a checkpoint loads on any layout
 
     layout = {"ddp": "DDP", "fsdp": "FSDP2", "2d": f"FSDP2 x TP (dp={dp_size}, tp={args.tp})"}[args.parallel]
     if piped:
@@ -581,8 +737,8 @@ def train(args: argparse.Namespace, keep: dict | None = None) -> float:
             reported /= info.world_size // args.pp if piped else info.world_size
         loss_value = reported.item()
         cl.print0(progress(step, args.steps, loss_value, started, first))
-        if args.ckpt_dir is not None and distributed and (step % args.ckpt_every == 0 or step == args.steps):
-            save(app, args, info)
+        if args.ckpt_dir is not None and (step % args.ckpt_every == 0 or step == args.steps):
+            save(app, args, info, distributed)
     if args.steps < first:
         cl.print0(f"nothing to do: the checkpoint is at step {app.step} of {args.steps}")
     else:
@@ -610,4 +766,4 @@ def pipeline_step(stage, schedule, tokens: torch.Tensor) -> torch.Tensor:
 
 
 if __name__ == "__main__":
-    train(parse_args())
+    main()

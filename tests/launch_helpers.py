@@ -142,3 +142,30 @@ def assert_matches(run: Run, ref: tuple[dict[int, float], float], *, steps: list
     torch.testing.assert_close(torch.tensor([got_steps[s] for s in steps]), torch.tensor([ref[0][s] for s in steps]),
                                rtol=0, atol=2e-6)
     torch.testing.assert_close(torch.tensor(got_final), torch.tensor(ref[1]))
+
+
+def file_hashes(folder: pathlib.Path) -> dict[str, str]:
+    """Every file under `folder` (hidden ones too) -> its sha256: compare before and after a run to show nothing changed."""
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# Prefixes each output line of the command it runs with the seconds since it started ("12.3 line").
+_STAMP = ("import subprocess, sys, time\n"
+          "start = time.monotonic()\n"
+          "p = subprocess.Popen(sys.argv[1:], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)\n"
+          "for line in p.stdout:\n"
+          "    print(f'{time.monotonic() - start:.1f} {line}', end='', flush=True)\n"
+          "sys.exit(p.wait())\n")
+
+
+def timestamped(cmd: list[str]) -> list[str]:
+    """`cmd`, its output lines prefixed with when they came (seconds): to time a part of a run, not its start-up."""
+    return [sys.executable, "-c", _STAMP, *cmd]
+
+
+def unstamp(text: str) -> list[tuple[float, str]]:
+    """(seconds, line) for each line of a timestamped command's output."""
+    return [(float(t), line) for t, line in (ln.split(" ", 1) for ln in text.splitlines())]
