@@ -89,7 +89,7 @@ PREDICTIONS: dict[str, Prediction] = {
         measure=_ep_measured,
         formula=_ep_formula,
         explanation=("the dispatch's input holds one row per (token, expert) pair, whatever the routing: 16 tokens "
-                     "x top-2 = 32 rows of 8 floats, 32 x 32 = 1,024 bytes, the piece rank 0 keeps for its own "
+                     "x top-2 = 32 rows of 8 floats, 32 rows x 32 bytes (8 floats x 4 B) = 1,024 bytes, the piece rank 0 keeps for its own "
                      "experts included (the ledger records the input tensor). The combine sends back what the "
                      "rank's experts computed: here every pair of both ranks, 64 rows, 2,048 bytes, while rank 1's "
                      "combine input is empty. A rank's dispatch is fixed by its tokens; its combine, and its "
