@@ -244,7 +244,7 @@ def sbatch_dry_run(tmp_path, args, **env):
         (bin_dir / name).write_text(textwrap.dedent(text))
         (bin_dir / name).chmod(0o755)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "RDZV_", "NPROC"))}
-    full = {**base, "PATH": f"{bin_dir}:{os.environ['PATH']}", "RECORD": str(record), **env}
+    full = {**base, "PATH": f"{bin_dir}:{os.environ['PATH']}", "RECORD": str(record), "PYTHON": sys.executable, **env}
     proc = subprocess.run(["bash", str(LAUNCH / "slurm.sbatch"), *args], capture_output=True, text=True,
                           timeout=30, cwd=ROOT, env={k: v for k, v in full.items() if v is not None})
     called = (record / "srun.args").exists()
@@ -290,6 +290,13 @@ def test_slurm_sbatch_overrides_and_bad_input(tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     proc, argv, _ = sbatch_dry_run(tmp_path / "c", [], **SLURM_ENV)
     assert proc.returncode == 2 and argv is None and proc.stderr.startswith("usage:")
+
+
+def test_slurm_sbatch_checks_train_py_flags_before_srun(tmp_path):
+    # train.py's --check-only, asked before srun: a bad flag is one line in the output file, and no srun.
+    proc, argv, _ = sbatch_dry_run(tmp_path, ["launch/train.py", "--parallel", "2d", "--tp", "3"], **SLURM_ENV)
+    assert proc.returncode == 2 and argv is None, proc.stderr
+    assert proc.stderr.strip().splitlines() == ["train.py: error: --tp 3 must divide the heads (4) and KV heads (2)"], proc.stderr
 
 
 # ---------------------------------------------------------------- the image
