@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .llama_config import LLAMA_CONFIG
+
 __all__ = ["LLAMA_CONFIG", "Block", "TinyLM", "ToyModel", "make_batch", "make_batches", "make_llama", "make_mlp",
            "make_model", "make_tokens", "rank_batch", "shard_model", "toy_batch", "toy_model"]
 
@@ -132,8 +134,7 @@ def shard_model(model: nn.Sequential, mesh, **options) -> nn.Sequential:
 # --- a tiny transformers Llama (lessons 06-07, launch/train.py): built from a config, no download ----------
 # 4 attention heads and 2 KV heads (grouped-query attention), so tensor parallelism over 2 ranks divides both.
 
-LLAMA_CONFIG = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+# LLAMA_CONFIG (course_lib/llama_config.py: importable without torch, for launch/train.py's flag checks)
 
 
 def make_llama(seed: int = 0, **overrides):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-TOP_K = 2  # Mixtral's num_experts_per_tok: each token goes to two experts
+from train_flags import TOP_K  # noqa: F401 - Mixtral's num_experts_per_tok, 2: the flags check it too
 
 
 def make_mixtral(experts: int, seed: int = 0, **sizes):
