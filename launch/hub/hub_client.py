@@ -186,6 +186,10 @@ class Hub:
         self._log.close()
         return self.proc.returncode
 
+    def children(self) -> list[psutil.Process]:
+        """The hub's processes below it now: its proxy and services (the learners' servers too, if any)."""
+        return psutil.Process(self.proc.pid).children(recursive=True)
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
