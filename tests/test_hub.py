@@ -94,8 +94,11 @@ print(f"user={{getpass.getuser()}} sum={{x.item():g}}")
 """
 
 
+TOO_BIG = f"torch.empty({MEM_LIMIT_GIB + 1} << 30, dtype=torch.uint8)"  # over the per-process limit
+
+
 async def _learner(hub, name: str, k: int) -> dict:
-    """One learner's session: what each cell printed and raised."""
+    """One learner's session: (stdout, stderr, error) of each cell, by a short name."""
     kernel = hub.new_kernel(name)
     seen = {}
     try:
@@ -105,6 +108,11 @@ async def _learner(hub, name: str, k: int) -> dict:
         seen["results"] = await kernel.run(
             "import course_lib as cl; print(sorted((r, v.item()) for r, v in cl.results['t'].items()))")
         seen["dist"] = await kernel.run(DIST_CELL.format(k=k))
+        if k == 1:  # this learner's rank asks for more memory than the limit, while the others run
+            seen["rank too big"] = await kernel.run(f"%%torchrun -n 1\nimport torch\nx = {TOO_BIG}\nprint('allocated')")
+        if k == 2:  # and this one's kernel does
+            seen["kernel too big"] = await kernel.run(f"import torch\nx = {TOO_BIG}")
+            seen["kernel after"] = await kernel.run("print('still here')")
     finally:
         await kernel.close()
     return seen
@@ -127,11 +135,12 @@ def test_three_learners_at_once(hub):
     ports, folders = {}, {}
     for name, k in LEARNERS.items():
         seen = sessions[name]
+        limit_cells = {cell: seen.pop(cell) for cell in ("rank too big", "kernel too big") if cell in seen}
         for cell, (out, err, error) in seen.items():
             assert error is None, f"{name}, {cell!r}: {error}\n{out}\n{err}"
         # %%torchrun: both ranks, as this learner, the learner's own sum (10k + 10k+1), a private folder
         ranks = rank_lines(seen["torchrun"][0])
-        assert sorted(ranks) == [0, 1], seen["torchrun"]
+        assert sorted(ranks) == [0, 1] and all(len(lines) == 1 for lines in ranks.values()), seen["torchrun"]
         fields = {r: dict(item.split("=", 1) for item in lines[0].split()) for r, lines in ranks.items()}
         for fields_r in fields.values():
             assert fields_r["user"] == name and fields_r["sum"] == f"{20 * k + 1:g}", seen["torchrun"]
@@ -141,31 +150,26 @@ def test_three_learners_at_once(hub):
         assert seen["results"][0].strip() == f"[(0, {20 * k + 1:.1f}), (1, {20 * k + 1:.1f})]", seen["results"]
         # %%dist: persistent ranks of this learner, 100k * (1 + 2)
         dist = rank_lines(seen["dist"][0])
-        assert {r: lines[-1] for r, lines in dist.items()} == {
-            0: f"user={name} sum={300 * k:g}", 1: f"user={name} sum={300 * k:g}"}, seen["dist"]
+        assert dist == {0: [f"user={name} sum={300 * k:g}"], 1: [f"user={name} sum={300 * k:g}"]}, seen["dist"]
+        # Over the memory limit: a rank's failure is the course's one line (RankFailure); the kernel's own
+        # allocation fails with torch's error and the kernel lives on.
+        if "rank too big" in limit_cells:
+            out, err, error = limit_cells["rank too big"]
+            assert error is not None and error["ename"] == "RankFailure", (out, err, error)
+            assert "can't allocate memory" in error["evalue"] and "\n" not in error["evalue"], error
+            assert "allocated" not in out
+        if "kernel too big" in limit_cells:
+            out, err, error = limit_cells["kernel too big"]
+            assert error is not None and "can't allocate memory" in error["evalue"], (out, err, error)
+            assert seen["kernel after"][0] == "still here\n"
     assert len(set(ports.values())) == len(LEARNERS), f"two learners' ranks shared a port: {ports}"
     assert len(set(folders.values())) == len(LEARNERS), f"two learners' ranks shared a folder: {folders}"
 
-    # A rank that allocates more than the per-process limit gets the course's one-line error.
-    name = "hubtest-a"
-    big = f"torch.empty({MEM_LIMIT_GIB + 1} << 30, dtype=torch.uint8)"
-
-    async def too_big():
-        kernel = hub.new_kernel(name)
-        try:
-            await kernel.run("%load_ext course_lib")
-            return await kernel.run(f"%%torchrun -n 2\nimport torch\nx = {big}\nprint('allocated')")
-        finally:
-            await kernel.close()
-
-    out, err, error = asyncio.run(too_big())
-    assert error is not None and error["ename"] == "RankFailure", (out, err, error)
-    assert "can't allocate memory" in error["evalue"] and "\n" not in error["evalue"], error
-    assert "allocated" not in out
-
     # Stopping a server ends every process of that learner, without the spawner's sweep having to.
     for name in LEARNERS:
-        hub.stop_server(name)
+        hub.api("DELETE", f"/users/{name}/server")
+    for name in LEARNERS:
+        hub.stop_server(name)  # waits until the hub says it is stopped
         left = uid_processes(pwd.getpwnam(name).pw_uid)
         assert not left, f"{name}'s processes outlived their server: {[p.cmdline() for p in left]}"
     swept = [line for line in hub.log().splitlines() if LEFT_BEHIND in line]
@@ -173,6 +177,7 @@ def test_three_learners_at_once(hub):
 
     # The hub stops clean: exit 0, its proxy and idle culler gone.
     children = hub.children()
+    assert any("jupyterhub_idle_culler" in " ".join(p.cmdline()) for p in children), "no idle culler running"
     assert hub.stop() == 0, hub.log()[-3000:]
     alive = [p for p in children if p.is_running() and p.status() != "zombie"]
     assert not alive, f"left running after the hub stopped: {[p.cmdline() for p in alive]}"
