@@ -287,6 +287,11 @@ class Kernel:
         if self.ws is not None:
             self.ws.close()
 
+    def shutdown(self) -> None:
+        """End the kernel (and with it whatever its cells left running) through the server's REST API."""
+        requests.delete(f"{self.hub.url}/user/{self.user}/api/kernels/{self.id}", timeout=60,
+                        headers={"Authorization": f"token {self.hub.token}"})
+
 
 def rank_lines(text: str) -> dict[int, list[str]]:
     """`[rank N] line` blocks of a multi-rank cell's output, by rank."""
