@@ -127,6 +127,9 @@ def test_three_learners_at_once(hub):
         hub.start_server(name)
     for name in LEARNERS:
         hub.wait_ready(name)
+        user = pwd.getpwnam(name)  # each learner's own copy of the lessons, theirs to change
+        lesson = pathlib.Path(user.pw_dir, "course", "notebooks", "00_setup.ipynb")
+        assert lesson.exists() and lesson.stat().st_uid == user.pw_uid, f"{name} has no own copy of the course"
 
     async def everyone():
         return await asyncio.gather(*(_learner(hub, name, k) for name, k in LEARNERS.items()))

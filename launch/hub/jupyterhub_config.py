@@ -20,6 +20,7 @@ import asyncio
 import os
 import pwd
 import resource
+import shutil
 import sys
 import time
 
@@ -32,6 +33,9 @@ c = get_config()  # noqa: F821 (given by JupyterHub when it loads this file)
 
 VENV_BIN = os.path.join(sys.prefix, "bin")  # the hub runs in the course's venv: its servers do too
 PORT = int(os.environ.get("COURSE_HUB_PORT", "8000"))
+COURSE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout
+# What each learner gets in ~/course at their first start (the venv and the tests stay shared).
+COURSE_COPY = os.environ.get("COURSE_HUB_COPY", "README.md notebooks exercises solutions launch").split()
 LEFTOVER_GRACE_S = 15  # how long a stopped server's processes get to end on their own
 
 
@@ -62,6 +66,10 @@ class CourseSpawner(LocalProcessSpawner):
 
         return preexec
 
+    async def start(self):
+        _give_course(self.user.name)
+        return await super().start()
+
     async def stop(self, now=False):
         await super().stop(now=now)
         # The kernel ends on its own once its server is gone (it polls its parent), and its ranks with it
@@ -78,6 +86,29 @@ class CourseSpawner(LocalProcessSpawner):
             except psutil.NoSuchProcess:
                 pass
         psutil.wait_procs(left, timeout=5)
+
+
+def _give_course(name):
+    """At a learner's first start: their own copy of the lessons in ~/course (lessons link to ../exercises and
+    ../launch), owned by them; a later start leaves it as the learner left it."""
+    user = pwd.getpwnam(name)
+    target = os.path.join(user.pw_dir, "course")
+    if os.path.exists(target):
+        return
+    staging = target + ".partial"  # a copy cut short (the hub stopped) is redone, never half kept
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    skip = shutil.ignore_patterns("__pycache__", ".ipynb_checkpoints", "*.pyc")
+    for item in COURSE_COPY:
+        source = os.path.join(COURSE_ROOT, item)
+        if os.path.isdir(source):
+            shutil.copytree(source, os.path.join(staging, item), ignore=skip)
+        elif os.path.exists(source):
+            shutil.copy2(source, staging)
+    for folder, dirs, files in os.walk(staging):
+        for entry in [folder] + [os.path.join(folder, f) for f in files]:
+            os.lchown(entry, user.pw_uid, user.pw_gid)
+    os.rename(staging, target)
 
 
 def _processes_of(uid):
@@ -112,7 +143,7 @@ else:
 # --- each learner's server --------------------------------------------------------------------------
 c.JupyterHub.spawner_class = CourseSpawner
 c.Spawner.cmd = [os.path.join(VENV_BIN, "jupyterhub-singleuser")]
-c.Spawner.default_url = "/lab"
+c.Spawner.default_url = "/lab/tree/course/notebooks/00_setup.ipynb"
 c.Spawner.mem_limit = os.environ.get("COURSE_HUB_MEM_LIMIT", "4G")  # per process (RLIMIT_DATA), see above
 c.Spawner.environment = {
     "PATH": os.pathsep.join([VENV_BIN, "/usr/local/bin", "/usr/bin", "/bin"]),
