@@ -28,8 +28,19 @@ endif
 # an existing overrides.json stay. Cheap and written only when it changes: it runs every time, so
 # a venv made before this line gets it too.
 LAB_OVERRIDES := $(VENV)/share/jupyter/lab/settings/overrides.json
-install: $(VENV)/.installed
+# JupyterHub's proxy (launch/hub/, tests/test_hub.py), from npm into the venv: see its rule below.
+PROXY_SPEC    := configurable-http-proxy@5.3.0
+PROXY         := $(VENV)/node_modules/.bin/configurable-http-proxy
+install: $(VENV)/.installed $(PROXY)
 	$(BIN)/python -m course_lib.doctor.lab_settings $(LAB_OVERRIDES)
+
+# The proxy comes from npm, into the venv ($(VENV)/node_modules): 3-6 s. Without npm, or offline, the
+# course works as before: only the hub and its test need it (the test then skips, saying so; in CI it fails).
+$(PROXY): | $(VENV)/.installed
+	@if command -v npm >/dev/null 2>&1; then \
+	  npm install --prefix $(VENV) --no-audit --no-fund --loglevel=error $(PROXY_SPEC) \
+	    || echo "make: npm could not install $(PROXY_SPEC): launch/hub/ needs it, nothing else does"; \
+	else echo "make: no npm: $(PROXY_SPEC) (launch/hub/'s proxy) not installed; nothing else needs it"; fi
 
 # Torch is installed on its own first so that the package's range (pyproject.toml)
 # is already met and pip does not fetch a different build.
