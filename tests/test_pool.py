@@ -41,7 +41,7 @@ from proc_helpers import MARK_VAR, describe, env_var, kill_quietly, marked_proce
 MARK = new_mark()
 MARGIN_S = 5.0  # a fault must end within its deadline (or the interrupt grace) plus this
 LINE = 1  # what the worker adds to a source line number (the magic's line)
-CYCLES = 6  # each cycle is a real torchrun start and stop (~1.8 s); a leak shows in any of them
+CYCLES = 4  # each cycle is a real torchrun start and stop (~1.8 s); a leak shows in any of them (2 per thread)
 CYCLE_THREADS = 2  # two cores: two start/stop loops side by side halve the wall time
 
 
