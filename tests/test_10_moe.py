@@ -1,7 +1,7 @@
 """Lesson 10 (mixture of experts, expert parallelism): `cl.draw_flow` (a p x p matrix per step, its row and
 column sums), and the predictions' measures against their formulas (the dispatch and combine bytes, the pairs
-dropped at a capacity, the padded dispatch's bytes, an expert's gradient under EP x DP divided by its column's
-size).
+dropped at a capacity and its explanation built from the run's counts, the padded dispatch's bytes, the number an
+expert's gradient summed over its column under EP x DP must be divided by).
 
 Fast, single-process: the lesson's runs themselves are checked under nbval (notebooks/10_moe_expert_parallel.ipynb).
 """
@@ -13,7 +13,7 @@ import pytest
 import course_lib as cl
 from course_lib.draw.figures import overflow_inches
 from course_lib.predictions import LESSONS, all_predictions, prediction
-from course_lib.predictions.lesson10 import capacity, column_mean_factor, dropped, float_all_to_alls
+from course_lib.predictions.lesson10 import capacity, column_divisor, dropped, float_all_to_alls
 
 
 def test_draw_flow_prints_each_step_with_what_every_rank_sent_and_received(capsys):
@@ -37,7 +37,7 @@ def test_draw_flow_names_bad_input_in_one_line(steps, says):
 def test_the_lessons_predictions_are_registered():
     assert "10" in LESSONS
     assert sorted(p for p in all_predictions() if p.startswith("10.")) == [
-        "10.capacity_bytes", "10.dropped", "10.ep_bytes", "10.expert_grad_factor"]
+        "10.capacity_bytes", "10.dropped", "10.ep_bytes", "10.expert_grad_divisor"]
 
 
 def _a2a(*rows: int, dtype: str = "float32") -> list[dict]:
@@ -78,16 +78,25 @@ def test_capacity_bytes_is_the_padded_buffer_whatever_the_routing():
     assert spec.measure(results, unpadded) != spec.formula(results)
 
 
-def test_expert_grad_factor_is_the_world_over_the_column_and_catches_a_sum_over_the_row_only():
+def test_expert_grad_divisor_is_the_world_size_and_catches_a_sum_over_the_row_only():
     import torch
 
     one = [torch.arange(1.0, 7.0).view(2, 3), torch.tensor([0.5, -2.0])]   # one process's gradients, any values
-    spec = prediction("10.expert_grad_factor")
+    spec = prediction("10.expert_grad_divisor")
     mesh = {"dp_mod_ep": 2, "ep": 2}
     run = {"mesh": mesh, "summed": [4 * g for g in one], "one_process": one}   # the column's sum: all 4 ranks' losses
-    assert column_mean_factor(run["summed"], one, 2) == 2.0
-    assert spec.measure({"epdp": {0: run}}, {}) == spec.formula({"epdp": {0: run}}) == 2.0
+    assert column_divisor(run["summed"], one) == 4.0
+    assert spec.measure({"epdp": {0: run}}, {}) == spec.formula({"epdp": {0: run}}) == 4.0
     row_only = {**run, "summed": [2 * g for g in one]}                     # no all_reduce over the column
     assert spec.measure({"epdp": {0: row_only}}, {}) != spec.formula({"epdp": {0: row_only}})
     wide = {"mesh": {"dp_mod_ep": 2, "ep": 4}, "summed": [8 * g for g in one], "one_process": one}   # 8 ranks, ep 4
-    assert spec.measure({"epdp": {0: wide}}, {}) == spec.formula({"epdp": {0: wide}}) == 4.0
+    assert spec.measure({"epdp": {0: wide}}, {}) == spec.formula({"epdp": {0: wide}}) == 8.0
+
+
+def test_dropped_explanation_does_the_arithmetic_on_the_runs_counts():
+    from course_lib.predictions.reveal import reveal
+
+    run = {"factors": (1.0, 1.25, 2.0), "tokens": 16, "k": 2, "experts": 8, "counts": [3, 3, 6, 3, 4, 3, 3, 7],
+           "dropped": [5, 1, 0]}
+    text = " ".join(reveal("10.dropped", 5, {"capacity": {0: run}}, {}).split())
+    assert "[3, 3, 6, 3, 4, 3, 3, 7]: (6 - 4) + (7 - 4) = 5" in text and "right" in text

@@ -4,9 +4,9 @@ Each measures from what a run cell of notebooks/10_moe_expert_parallel.ipynb pub
 the ledger of the cell that published it: the bytes rank 0's dispatch and combine all-to-alls put in when every
 token goes to rank 0's experts (expert parallelism on 2 ranks, the ledger's `all_to_all_single` records), the
 (token, expert) pairs rank 0 drops at capacity factor 1.0 (counted on the rank), the bytes of its padded
-dispatch at capacity factor 1.25 (the ledger), and, under EP x DP on a ("dp_mod_ep", "ep") mesh, how far an
-expert's gradient summed over its column and divided by the column's size is from one process's (the gradients
-rank 0 published).
+dispatch at capacity factor 1.25 (the ledger), and, under EP x DP on a ("dp_mod_ep", "ep") mesh, the number an
+expert's gradient summed over its column must be divided by to equal one process's (the gradients rank 0
+published).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import math
 
 from .spec import Prediction
 
-__all__ = ["PREDICTIONS", "capacity", "column_mean_factor", "dropped", "float_all_to_alls"]
+__all__ = ["PREDICTIONS", "capacity", "column_divisor", "dropped", "float_all_to_alls"]
 
 FLOAT32 = 4  # bytes
 
@@ -59,25 +59,36 @@ def _capacity_bytes_formula(results) -> int:
     return run["experts"] * slots * run["hidden"] * FLOAT32
 
 
-def column_mean_factor(summed: list, one_process: list, column: int) -> float:
-    """How many times one process's gradient an expert's gradient is when its column's sum (`summed`, one tensor
-    per weight) is divided by the column's size: the ratio of the norms, to 3 decimals."""
+def column_divisor(summed: list, one_process: list) -> float:
+    """The number an expert's gradient summed over its column (`summed`, one tensor per weight) must be divided
+    by to equal one process's gradient: the ratio of the norms, to 3 decimals."""
     import torch
 
-    mean = torch.cat([g.flatten() for g in summed]) / column
-    return round(float(mean.norm() / torch.cat([g.flatten() for g in one_process]).norm()), 3)
+    flat = torch.cat([g.flatten() for g in summed])
+    return round(float(flat.norm() / torch.cat([g.flatten() for g in one_process]).norm()), 3)
 
 
-def _factor_measured(results, ledgers) -> float:
+def _divisor_measured(results, ledgers) -> float:
     run = results["epdp"][0]
-    return column_mean_factor(run["summed"], run["one_process"], run["mesh"]["dp_mod_ep"])
+    return column_divisor(run["summed"], run["one_process"])
 
 
-def _factor_formula(results) -> float:
+def _divisor_formula(results) -> float:
     mesh = results["epdp"][0]["mesh"]
-    world = mesh["dp_mod_ep"] * mesh["ep"]
     # The column's sum covers every rank's loss: one process's mean divides it by the world size.
-    return float(world / mesh["dp_mod_ep"])
+    return float(mesh["dp_mod_ep"] * mesh["ep"])
+
+
+def _dropped_explanation(results) -> str:
+    run = results["capacity"][0]
+    slots = capacity(run["factors"][0], run["tokens"], run["k"], run["experts"])
+    over = [c for c in run["counts"] if c > slots]
+    arithmetic = " + ".join(f"({c} - {slots})" for c in over) or "nothing"
+    return (f"capacity = ceil(1.0 x {run['tokens']} tokens x {run['k']} / {run['experts']} experts) = {slots} pairs "
+            f"per expert, per rank. Each expert keeps its first {slots} pairs in queue order and drops the rest: the "
+            f"sum over experts of max(0, count - {slots}). Rank 0's counts per expert are {run['counts']}: "
+            f"{arithmetic} = {dropped(run['counts'], slots)}. A factor of 1.0 has no slack: any expert above the "
+            "mean drops, and the places the others leave empty are sent as padding.")
 
 
 PREDICTIONS: dict[str, Prediction] = {
@@ -102,10 +113,7 @@ PREDICTIONS: dict[str, Prediction] = {
         needs="capacity",
         measure=lambda results, ledgers: results["capacity"][0]["dropped"][0],
         formula=_dropped_formula,
-        explanation=("capacity = ceil(1.0 x 16 tokens x 2 / 8 experts) = 4 pairs per expert, per rank. Each expert "
-                     "keeps its first 4 pairs in queue order and drops the rest: the sum over experts of "
-                     "max(0, count - 4), from rank 0's counts per expert. A factor of 1.0 has no slack: any expert "
-                     "above the mean drops, and the places the others leave empty are sent as padding."),
+        explanation=_dropped_explanation,
         unit="pairs",
     ),
     "10.capacity_bytes": Prediction(
@@ -121,19 +129,21 @@ PREDICTIONS: dict[str, Prediction] = {
                      "exchange, no host sync) with padding and dropped tokens."),
         unit="B",
     ),
-    "10.expert_grad_factor": Prediction(
-        id="10.expert_grad_factor",
-        question=("EP x DP on a 2 x 2 (dp_mod_ep, ep) mesh: an expert's gradient, summed over its column and divided "
-                  "by the column's size, over one process's"),
+    "10.expert_grad_divisor": Prediction(
+        id="10.expert_grad_divisor",
+        question=("EP x DP on a 2 x 2 (dp_mod_ep, ep) mesh: the number an expert's gradient, summed over its column, "
+                  "must be divided by to equal one process's"),
         needs="epdp",
-        measure=_factor_measured,
-        formula=_factor_formula,
+        measure=_divisor_measured,
+        formula=_divisor_formula,
         explanation=("the backward all-to-all already brought each expert the gradients of every row it computed: "
                      "the tokens of both ranks of its row (ep = 2). The all_reduce over its column adds the other "
                      "row's copy, so the sum covers all 4 ranks' losses. One process's loss is the mean over all 64 "
                      "tokens, the mean of the 4 ranks' losses (16 tokens each), so the divisor is the world size, 4, "
-                     "as for the dense weights; the column's size, 2, leaves an expert's gradient 4 / 2 = ep = 2 "
-                     "times one process's. launch/moe.py divides by ep in a hook and lets FSDP2 take the column's "
-                     "mean; torchtitan and transformers set the experts' FSDP2 divide factor to the data-parallel size."),
+                     "as for the dense weights. The column's size, 2 (FSDP2's default mean over the mesh it shards "
+                     "a parameter on), would leave an expert's gradient 4 / 2 = ep = 2 times one process's. "
+                     "launch/moe.py divides by ep in a hook and lets FSDP2 take the column's mean; transformers 5.24 "
+                     "sets the experts' FSDP2 divide factor to the data-parallel size (torchtitan did so in 2025; "
+                     "since January 2026 it turns FSDP's division off and divides by the global token count itself)."),
     ),
 }

@@ -72,14 +72,16 @@ def _shown(value: Any, unit: str) -> str:
 
 
 def measured_answer(spec: Prediction, results: Mapping, ledgers: Mapping) -> Any:
-    """The measured answer, asserted equal to the lesson's formula (RevealError if the run is missing or they differ)."""
+    """The measured answer, asserted equal to the lesson's formula (RevealError if the run is missing or they differ:
+    no number in that line, since it comes before the learner's prediction)."""
     if spec.needs not in results:
         raise RevealError(_not_run(spec.needs))
     measured = spec.measure(results, ledgers)
     expected = spec.formula(results)
     if _as_tuple(measured) != _as_tuple(expected):
-        raise RevealError(f"{spec.id}: torch measured {measured!r} but the lesson's formula gives {expected!r}: "
-                          "the lesson no longer describes this torch (please report it)")
+        raise RevealError(f"{spec.id}: the run's measurement differs from the lesson's formula: if you changed the "
+                          "run cell, run the lesson's own again; if not, the lesson no longer describes this torch "
+                          "(please report it)")
     return measured
 
 
@@ -113,7 +115,7 @@ def reveal(prediction_id: str, guess: Any, results: Mapping, ledgers: Mapping, v
     if first != guesses:
         lines.append(f"Your first prediction, {_shown(first, spec.unit)}, is the one that counts: "
                      f"{_verdict(spec, first, answers)}.")
-    lines.append("Why: " + spec.explanation)
+    lines.append("Why: " + (spec.explanation(results) if callable(spec.explanation) else spec.explanation))
     return "\n".join(wrapped for line in lines for wrapped in textwrap.wrap(line, width=WIDTH, subsequent_indent="  ",
                                                                           break_on_hyphens=False))
 

@@ -35,7 +35,8 @@ class Prediction:
     `needs`: the `cl.results` key the run cell publishes (before it exists, the reveal says to run
     that cell). `measure(results, ledgers)` and `formula(results)` return the answer, a number or a
     tuple of numbers; they must be equal. `unit` labels numbers ("B", "all-reduces", ""). `explanation`
-    says why, from what the lesson taught; it is shown only after the learner's number.
+    says why, from what the lesson taught; it is shown only after the learner's number. It may be a function of
+    `results` when the why needs the run's own numbers (counts the run published).
     """
 
     id: str
@@ -43,6 +44,6 @@ class Prediction:
     needs: str
     measure: Measure
     formula: Formula
-    explanation: str
+    explanation: str | Callable[[Mapping], str]
     unit: str = ""
     tolerance: Tolerance = Tolerance()
