@@ -240,6 +240,9 @@ DEDUP_DISPATCH = Exercise(
     hints=HINTS,
     allowed_ops=frozenset(("all_to_all_single",)),
     required_ops=frozenset(("all_to_all_single",)),
+    # The driver's out.backward(grad) imports this (and sympy) on a rank's first call: ~1-2 s on every rank a
+    # failed run restarted, unless the rank server has it before it forks.
+    preload=("torch.fx.experimental.symbolic_shapes",),
     runs=(
         RunSpec(2, _cases, _items(2), timeout_s=20),
         RunSpec(4, _cases, _items(4), timeout_s=30),
