@@ -312,8 +312,8 @@ def test_split_sizes_from_the_senders_view_end_the_run_at_once_named(ranks):
     two = dataclasses.replace(found, runs=found.runs[:1])
     items = check_exercise(two, answers.DEDUP_SENDER_VIEW, ranks=ranks)
     assert sum(item.score for item in items) == 0
-    assert re.match(r"rank \d was ended by SIGABRT in case 1 of 3 \(gloo aborted the process: .*\d+ bytes arrived where the "
-                    r"receiver expected \d+", items[0].message), items[0].message
+    assert re.match(r"rank \d was ended by SIGABRT in case 1 of 3 \(gloo aborted the process: .*\d+ bytes arrived "
+                    r"where the receiver expected \d+", items[0].message), items[0].message
     assert "did not finish" not in items[0].message
 
 

@@ -203,7 +203,8 @@ def _bytes(outcome: RunOutcome) -> list[str]:
         want = (sent + received) * HIDDEN * 4
         if got != want:
             text = (f"{_where(outcome, case, rank)}: the forward's all_to_all_single calls of token rows ([rows, "
-                    f"{HIDDEN}] floats, {len(calls)} call{'' if len(calls) == 1 else 's'}) put in {got:,} bytes; expected ({sent} + {received}) x "
+                    f"{HIDDEN}] floats, {len(calls)} call{'' if len(calls) == 1 else 's'}) put in {got:,} bytes; "
+                    f"expected ({sent} + {received}) x "
                     f"{HIDDEN} floats x 4 bytes = {want:,}: the dispatch sends each of this rank's tokens once to "
                     f"each rank holding one of its experts ({sent} rows), the combine one row back for each row "
                     f"received ({received})")

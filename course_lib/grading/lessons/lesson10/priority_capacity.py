@@ -2,11 +2,11 @@
 
 Riquelme et al. 2021 ("Scaling Vision with Sparse Mixture of Experts", arXiv 2106.05974), Batch Prioritized
 Routing, in the order google-research/vmoe implements (`vmoe/moe.py`, `get_top_experts_per_item_dispatcher` with
-`batch_priority=True`; vmoe also rounds C up to a multiple of 4 by default and weights by the gates it is given,
-here C and the weights are lesson 10's): every first choice before any second choice, as in lesson 10's position order, but within
-each slot the tokens taken in decreasing order of their largest router probability instead of their position.
-Each expert keeps the first C pairs of that queue, C = ceil(factor * T * k / E). Each rank's batch is its own
-group (as the lesson's capacity section): no communication. Judged per rank against one process: which pairs
+`batch_priority=True`; vmoe also rounds C up to a multiple of 4 by default and weights by the gates over all E,
+here C and the weights are lesson 10's): every first choice before any second choice, as in lesson 10's position
+order, but within each slot the tokens taken in decreasing order of their largest router probability instead of
+their position. Each expert keeps the first C pairs of that queue, C = ceil(factor * T * k / E). Each rank's batch
+is its own group (as the lesson's capacity section): no communication. Judged per rank against one process: which pairs
 were kept (on factors where factor * T * k / E is an integer, then where it is not), and the output given the
 pairs the rank kept (kept pairs weighted by their router weights as they are, dropped pairs adding nothing).
 """
