@@ -66,6 +66,18 @@ PRIORITY_PER_EXPERT = PRIORITY_SOLUTION.replace(
 ''')
 assert PRIORITY_PER_EXPERT != PRIORITY_SOLUTION
 
+# The tokens ranked by route's renormalised top weight, not by their largest router probability.
+PRIORITY_RENORMALISED_RANKING = PRIORITY_SOLUTION.replace(
+    "ranked = probs.amax(dim=1).argsort(", "ranked = weights[:, 0].argsort(")
+assert PRIORITY_RENORMALISED_RANKING != PRIORITY_SOLUTION
+# Right, computed in float64 "for precision": judged by its values.
+PRIORITY_FLOAT64 = PRIORITY_SOLUTION.replace(
+    '    probs, weights, experts = route(x, params["router"], k)\n',
+    "    x = x.double()                                          # float64 for precision\n"
+    "    params = {n: t.double() for n, t in params.items()}\n"
+    '    probs, weights, experts = route(x, params["router"], k)\n', 1)
+assert PRIORITY_FLOAT64 != PRIORITY_SOLUTION
+
 DEDUP_SOLUTION = '''%%exercise 10.dedup_dispatch
 import torch
 import torch.distributed as dist
@@ -162,6 +174,53 @@ DEDUP_SKIPS_COUNTS = DEDUP_SOLUTION.replace(
     "    dist.all_to_all_single(sizes_in, sizes_out)             # how many rows each rank sends me")
 assert DEDUP_SKIPS_COUNTS != DEDUP_SOLUTION
 
+# Right, done another way: torch's autograd all-to-all (torch.distributed.nn.functional), imported in the cell,
+# the weights as [rows, E], every local expert on every received row times its weight.
+DEDUP_NN_FUNCTIONAL = '''%%exercise 10.dedup_dispatch
+import torch
+import torch.distributed as dist
+from torch.distributed.nn.functional import all_to_all_single as a2a
+
+
+def dedup_moe(x, router, gate_up, down, k, route, expert_mlp):
+    p, r = dist.get_world_size(), dist.get_rank()
+    E, local = router.shape[0], gate_up.shape[0]
+    _, weights, experts = route(x, router, k)
+    dense = torch.zeros(x.shape[0], E).scatter(1, experts, weights)      # [T, E], 0 where not chosen
+    visit = torch.zeros(x.shape[0], p, dtype=torch.bool)
+    for j in range(k):
+        visit[torch.arange(x.shape[0]), experts[:, j] // local] = True
+    ranks_of, tokens = visit.t().nonzero(as_tuple=True)
+    send = visit.sum(0)
+    recv = torch.zeros_like(send)
+    dist.all_to_all_single(recv, send)
+    send, recv = send.tolist(), recv.tolist()
+    rows = a2a(x.new_empty(sum(recv), x.shape[1]), x[tokens], recv, send)
+    w = a2a(x.new_empty(sum(recv), E), dense[tokens], recv, send)
+    mine = w[:, r * local:(r + 1) * local]
+    result = sum(mine[:, e:e + 1] * expert_mlp(rows, gate_up[e], down[e]) for e in range(local))
+    back = a2a(x.new_empty(sum(send), x.shape[1]), result, send, recv)
+    return torch.zeros_like(x).index_add(0, tokens, back)
+'''
+
+# Experts with no rows skipped: a rank that receives nothing returns an output with no autograd graph.
+DEDUP_SKIP_EMPTY = DEDUP_SOLUTION.replace(
+    """        hit = torch.where(mix[:, e] > 0)[0]
+        y = expert_mlp(rows[hit], gate_up[e], down[e])       # every local expert, even on no rows
+""", """        hit = torch.where(mix[:, e] > 0)[0]
+        if hit.numel() == 0:                                  # (wrong: nothing for this expert, so no graph)
+            continue
+        y = expert_mlp(rows[hit], gate_up[e], down[e])
+""")
+assert DEDUP_SKIP_EMPTY != DEDUP_SOLUTION
+
+# The dispatch as a bare all_to_all_single (the weights and the combine through Swap): no gradient reaches x.
+DEDUP_DISPATCH_PLAIN = DEDUP_SOLUTION.replace(
+    "    rows = Swap.apply(x[token], sizes_in, sizes_out)        # each token once per rank it visits\n",
+    "    rows = x.new_empty((sum(sizes_in), x.shape[1]))\n"
+    "    dist.all_to_all_single(rows, x[token], output_split_sizes=sizes_in, input_split_sizes=sizes_out)\n")
+assert DEDUP_DISPATCH_PLAIN != DEDUP_SOLUTION
+
 GLOBAL_SOLUTION = '''%%exercise 10.global_balance_loss
 import torch
 import torch.distributed as dist
@@ -205,3 +264,40 @@ GLOBAL_SCALED = GLOBAL_SOLUTION.replace(
     "mean_prob = (mass + (mass_all.to(probs.dtype) - mass.detach())) / tokens_all.to(probs.dtype)",
     "mean_prob = mass_all.to(probs.dtype) / tokens_all.to(probs.dtype) + (mass - mass.detach()) / len(probs)")
 assert GLOBAL_SCALED != GLOBAL_SOLUTION
+
+# torch's differentiable all_reduce of the probability sums (torch.distributed.nn.functional, imported in the cell):
+# the value right, the gradient p times one process's (its backward sums again).
+GLOBAL_NN_ALL_REDUCE = '''%%exercise 10.global_balance_loss
+import torch
+import torch.distributed as dist
+from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
+
+
+def global_balance_loss(probs, experts):
+    E, k = probs.shape[1], experts.shape[1]
+    counts = torch.bincount(experts.flatten(), minlength=E).float()
+    dist.all_reduce(counts)
+    n = torch.tensor(float(probs.shape[0]))
+    dist.all_reduce(n)
+    P = differentiable_all_reduce(probs.sum(0)) / n
+    return E * (counts / (n * k) * P).sum()
+'''
+
+# all_gather of probs and experts: right on batches of equal size; the sizes differ between ranks in case 3.
+GLOBAL_ALL_GATHER_UNEVEN = '''%%exercise 10.global_balance_loss
+import torch
+import torch.distributed as dist
+
+
+def global_balance_loss(probs, experts):
+    p, r = dist.get_world_size(), dist.get_rank()
+    E = probs.shape[1]
+    every = [torch.empty_like(probs) for _ in range(p)]
+    dist.all_gather(every, probs.detach())
+    every[r] = probs
+    chosen = [torch.empty_like(experts) for _ in range(p)]
+    dist.all_gather(chosen, experts)
+    allp, alle = torch.cat(every), torch.cat(chosen)
+    f = torch.bincount(alle.flatten(), minlength=E) / alle.numel()
+    return E * (f * allp.mean(0)).sum()
+'''

@@ -3,9 +3,12 @@
 The solutions score full marks, the stubs zero with their hint (shown once per report), and the wrong answers
 most worth a run on ranks lose exactly the points their mistake deserves, with a message naming the rank and the
 mistake; one set of grading ranks serves the module. A rank that skips the count exchange is stopped at a short
-deadline, named waiting in all_to_all_single; split sizes that disagree between ranks end the run at once, named.
-The other plausible slips are checked in one process against the judges themselves (which pairs a rule keeps,
-which value or gradient factor a slip gives, the bytes the ledger reads), since the judges see only tensors.
+deadline, named waiting in all_to_all_single; split sizes that disagree between ranks end the run at once, named
+with the case. A right answer using torch's autograd collectives (torch.distributed.nn.functional) scores full marks
+on both runs of one set. 10.priority_capacity needs no communication, so its other answers run in this process
+through the exercise's own driver and judges; the other plausible slips are checked in one process against the
+judges themselves (which pairs a rule keeps, which value or gradient factor a slip gives, the bytes the ledger
+reads), since the judges see only tensors.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from exercise_checks import (assert_deadline_message, assert_full_marks, assert_
                              shared_ranks)
 from exercise_notebooks import assert_lists_exactly, exercise_sections, notebook_path
 from course_lib.grading.cells import exercise_cells
-from course_lib.grading.checker import check_exercise
-from course_lib.grading.lessons.lesson10 import dedup_dispatch, global_balance, priority_capacity
+from course_lib.grading.checker import check_exercise, submission_source
+from course_lib.grading.lessons.lesson10 import dedup_dispatch, drivers, global_balance, priority_capacity
 from course_lib.grading.lessons.lesson10.common import EXPERTS, K, layer_out, make_layer, make_tokens, route
 from course_lib.grading.registry import exercise, exercises_of_lesson
 from course_lib.grading.spec import CaseResult, Limits, RunOutcome
@@ -106,6 +109,48 @@ def test_each_named_priority_slip_differs_from_the_rule_on_the_items_it_loses():
         assert differs(integer, order) and differs(other, order), order
     assert not differs(integer, rounding=math.floor) and differs(other, rounding=math.floor)
     assert differs(integer, k=1) and differs(other, k=1)
+
+
+def _priority_outcome(source: str) -> RunOutcome:
+    """10.priority_capacity's run, in this process (the exercise communicates nothing): the answer's function
+    called through the exercise's driver on each rank's inputs of each case."""
+    scope: dict = {}
+    exec(compile(submission_source(source), "<cell>", "exec"), scope)
+    run = exercise(PRIORITY).runs[0]
+    inputs = run.make_inputs(run.nproc)
+    return RunOutcome(run.nproc, inputs, [{r: CaseResult(drivers.priority(scope["priority_moe"], *args), [])
+                                           for r, args in case.items()} for case in inputs])
+
+
+@pytest.mark.parametrize("source, lost", [
+    (answers.PRIORITY_SOLUTION, {}),
+    (answers.PRIORITY_FLOAT64, {}),           # judged by its values, not "Double did not match Float"
+    (answers.PRIORITY_LOWEST, {0: "that is the tokens with the smallest largest-probability first",
+                               1: "that is the tokens with the smallest largest-probability first"}),
+    (answers.PRIORITY_NO_K, {0: "that is the capacity without k (2)", 1: "that is the capacity without k"}),
+    (answers.PRIORITY_PER_EXPERT, {0: "that is each expert's highest-weight pairs", 1: "highest-weight pairs"}),
+    (answers.PRIORITY_RENORMALISED_RANKING, {0: "that is the tokens ranked by route's renormalised top weight",
+                                             1: "rank them by their largest router probability (probs)"}),
+], ids=["solution", "float64", "lowest-first", "capacity-without-k", "per-expert-weights", "renormalised-ranking"])
+def test_priority_answers_in_one_process_lose_exactly_their_items_named(source, lost):
+    outcome = _priority_outcome(source)
+    for index, item in enumerate(exercise(PRIORITY).runs[0].items):
+        problems = item.judge(outcome)
+        if index in lost:
+            assert problems and lost[index] in problems[0], (item.name, problems)
+            assert re.match(r"rank \d, case \d of 4", problems[0]), problems[0]
+        else:
+            assert problems == [], (item.name, problems)
+
+
+def test_the_bytes_judge_names_a_dispatch_packed_with_its_weights():
+    # The bytes judge on a ledger with only the combine's [rows, 6] call (the rows went out beside the weights).
+    outcome = RunOutcome(2, [{}] * 3, [{r: CaseResult({"returned": "", "forward_end": 10.0}, [
+        {"op": "all_to_all_single", "dtype": "float32", "shapes": [[4, 6]], "bytes": 96, "start": 1.0}])
+        for r in range(2)} for _ in range(3)])
+    message = dedup_dispatch._bytes(outcome)[0]
+    assert "1 call)" in message and "only 1 call of [rows, 6] token rows" in message, message
+    assert "send the weights in a tensor of their own" in message
 
 
 def test_dedup_counts_rows_per_token_and_rank_and_the_skewed_case_halves_them():
@@ -206,10 +251,20 @@ WRONG = [
         **{name: ("gate_up's gradient element",) for name in EXPERT_GRADS},
     }, id="dedup-scores-applied-twice"),
     pytest.param(DEDUP, answers.DEDUP_COMBINE_NO_AUTOGRAD, {
-        **{name: ("x's gradient is None",) for name in DX},
-        **{name: ("no gradient reached the router",) for name in ROUTER},
-        **{name: ("gate_up's gradient is None",) for name in EXPERT_GRADS},
+        name: ("raised: RuntimeError: case 1 of 3", "dedup_moe's out has no autograd graph on this rank")
+        for name in OUT + DX + ROUTER + EXPERT_GRADS + BYTES
     }, id="dedup-combine-without-autograd"),
+    pytest.param(DEDUP, answers.DEDUP_SKIP_EMPTY, {   # ranks 1..p-1 receive nothing in case 2
+        name: ("case 2 of 3", "dedup_moe's out has no autograd graph on this rank",
+               "run each local expert even on zero rows") for name in OUT + DX + ROUTER + EXPERT_GRADS + BYTES
+    }, id="dedup-experts-with-no-rows-skipped"),
+    pytest.param(DEDUP, answers.DEDUP_WEIGHTS_DETACHED, {
+        **{name: ("x's gradient element",) for name in DX},
+        **{name: ("no gradient reached the router: its weights' path to the output is cut",) for name in ROUTER},
+    }, id="dedup-weights-sent-detached"),
+    pytest.param(DEDUP, answers.DEDUP_DISPATCH_PLAIN, {
+        name: ("x's gradient element", "the dispatch needs the reverse all-to-all in backward") for name in DX
+    }, id="dedup-dispatch-without-autograd"),
     pytest.param(GLOBAL, answers.GLOBAL_MEAN_OF_MEANS, {
         **{name: ("case 3 of 3", "that is P as the mean of the ranks' means") for name in UNEVEN},
         **{name: ("case 3 of 3",) for name in BALANCE_GRAD},
@@ -218,6 +273,29 @@ WRONG = [
         BALANCE_GRAD[0]: ("times the world size, 2",),
         BALANCE_GRAD[1]: ("times 2: this rank's probabilities reach the loss twice",),
     }, id="global-all-reduced-p-in-the-graph-twice"),
+    pytest.param(GLOBAL, answers.GLOBAL_LOCAL, {
+        **{name: ("that is this rank's own loss",) for name in VALUE + UNEVEN},
+        **{name: ("case 1 of 3",) for name in BALANCE_GRAD},
+    }, id="global-each-ranks-own-loss"),
+    pytest.param(GLOBAL, answers.GLOBAL_P_LOCAL, {
+        **{name: ("that is f over all ranks but P from this rank's tokens only",) for name in VALUE + UNEVEN},
+        BALANCE_GRAD[0]: ("times the world size, 2",),
+        BALANCE_GRAD[1]: ("times the world size, 4",),
+    }, id="global-p-from-this-ranks-tokens"),
+    pytest.param(GLOBAL, answers.GLOBAL_SCALED, {
+        BALANCE_GRAD[0]: ("times the world size, 2",),
+        BALANCE_GRAD[1]: ("times the world size, 4",),
+    }, id="global-own-share-over-own-tokens"),
+    # torch's differentiable all_reduce, imported by the cell during the 2-rank run, must use the 4-rank run's
+    # group on the same ranks (before the rank server imported it first, 4 ranks hung on the 2-rank group).
+    pytest.param(GLOBAL, answers.GLOBAL_NN_ALL_REDUCE, {
+        BALANCE_GRAD[0]: ("times the world size, 2",),
+        BALANCE_GRAD[1]: ("times the world size, 4",),
+    }, id="global-torchs-differentiable-all-reduce"),
+    pytest.param(GLOBAL, answers.GLOBAL_ALL_GATHER_UNEVEN, {   # gloo aborts where the batches differ in size
+        name: ("was ended by SIGABRT in case 3 of 3 (gloo aborted the process",)
+        for name in VALUE + UNEVEN + BALANCE_GRAD
+    }, id="global-all-gather-of-probs-uneven-batches"),
 ]
 
 
@@ -234,9 +312,17 @@ def test_split_sizes_from_the_senders_view_end_the_run_at_once_named(ranks):
     two = dataclasses.replace(found, runs=found.runs[:1])
     items = check_exercise(two, answers.DEDUP_SENDER_VIEW, ranks=ranks)
     assert sum(item.score for item in items) == 0
-    assert re.match(r"rank \d was ended by SIGABRT \(gloo aborted the process: .*\d+ bytes arrived where the "
-                    r"receiver expected \d+", items[0].message), items[0].message
+    assert re.match(r"rank \d was ended by SIGABRT in case 1 of 3 \(gloo aborted the process: .*\d+ bytes arrived "
+                    r"where the receiver expected \d+", items[0].message), items[0].message
     assert "did not finish" not in items[0].message
+
+
+def test_a_right_answer_with_torchs_autograd_all_to_all_scores_full_marks_on_both_runs_of_one_set(ranks):
+    # torch.distributed.nn.functional binds its default group at import: imported by the cell in the 2-rank run,
+    # it once sent the 4-rank run's calls to the 2-rank run's destroyed group on the same ranks.
+    assert "from torch.distributed.nn.functional import all_to_all_single" in answers.DEDUP_NN_FUNCTIONAL
+    assert [run.nproc for run in exercise(DEDUP).runs] == [2, 4]
+    assert_full_marks(DEDUP, answers.DEDUP_NN_FUNCTIONAL, ranks=ranks)
 
 
 def test_a_rank_that_skips_the_count_exchange_is_stopped_and_named(ranks):

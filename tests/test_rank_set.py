@@ -59,6 +59,25 @@ def test_a_failed_run_restarts_the_ranks_and_the_next_run_is_graded_afresh():
     assert len(items) == len(first) + len(second)
 
 
+# Right, with torch's autograd broadcast imported by the cell: torch.distributed.nn.functional binds its functions'
+# default group (group.WORLD) when it is first imported, so the rank server imports it before any group exists.
+ALLGATHER_NN_FUNCTIONAL = answers.ALLGATHER_SOLUTION.replace(
+    "import torch.distributed as dist\n",
+    "import torch.distributed as dist\nfrom torch.distributed.nn.functional import broadcast\n").replace(
+    "        dist.broadcast(buffer, src=src)\n        gathered.append(buffer)",
+    "        gathered.append(broadcast(buffer, src))")
+
+
+def test_torchs_autograd_collectives_use_each_runs_group_on_reused_ranks():
+    found = exercise("01.allgather_from_broadcast")
+    assert [run.nproc for run in found.runs] == [2, 3]  # ranks 0 and 1 serve both runs
+    assert "gathered.append(broadcast(buffer, src))" in ALLGATHER_NN_FUNCTIONAL
+    with rank_set_for([found]) as ranks:
+        items = check_exercise(found, ALLGATHER_NN_FUNCTIONAL, ranks=ranks)
+        assert ranks.starts == 1
+    assert all(item.passed for item in items), "\n".join(map(item_line, items))
+
+
 def test_a_run_on_fewer_ranks_than_the_set_has_its_own_world_size():
     grid = exercise("01.grid_groups")  # 4 ranks; run it in a set of 6, two of which sit out
     assert [run.nproc for run in grid.runs] == [4]

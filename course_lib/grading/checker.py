@@ -21,7 +21,7 @@ import tempfile
 
 from ..launcher.torchrun import LaunchResult
 from .cells import is_stub_error
-from .rank_runner import EXIT_NO_FUNCTION
+from .rank_runner import CASE_MARK, EXIT_NO_FUNCTION, phase_file
 from .rank_server import RankServer
 from .rank_set import RankSet
 from ..units import binary_bytes
@@ -114,7 +114,7 @@ def _check_run(exercise: Exercise, run: RunSpec, cell_source: str, limits: Limit
         (job_dir / "work").mkdir()  # the ranks' working directory: whatever they write lands here
         launch = ranks.run(job, run.nproc, timeout_s)
         output = _trimmed_output(launch)
-        failure = _launch_failure(exercise, run, launch, timeout_s, limits)
+        failure = _launch_failure(exercise, run, launch, timeout_s, limits, job_dir, len(inputs))
         outcome = None if failure else _load_outcome(job_dir, run, inputs, launch)
         if outcome is None and not failure:
             failure = "the ranks finished but did not all send their results back"
@@ -176,8 +176,9 @@ _CELL_LINE = re.compile(r'File "<cell>", line (\d+)')
 
 
 def _launch_failure(exercise: Exercise, run: RunSpec, launch: LaunchResult, timeout_s: float,
-                    limits: Limits) -> str:
-    """Why a run did not finish normally, in one line naming the rank ("" if it did)."""
+                    limits: Limits, job_dir: pathlib.Path | None = None, cases: int = 0) -> str:
+    """Why a run did not finish normally, in one line naming the rank ("" if it did); a rank a signal ended is
+    named with the case it was in (from its phase file in `job_dir`), since a signal leaves no traceback."""
     if launch.timed_out:
         stuck = "; ".join(launch.diagnosis) if launch.diagnosis else "ranks " + ", ".join(map(str, launch.unfinished))
         # The rank set extends a deadline while the ranks still compute (a loaded machine): say how long they had.
@@ -197,7 +198,7 @@ def _launch_failure(exercise: Exercise, run: RunSpec, launch: LaunchResult, time
         why = {"SIGXCPU": " (used more than its CPU time)",
                "SIGKILL": " (killed, perhaps for memory)",
                "SIGABRT": _gloo_abort(lines)}.get(name, "")
-        return f"rank {rank} was ended by {name}{why}"
+        return f"rank {rank} was ended by {name}{_in_case(job_dir, rank, cases)}{why}"
     where = _CELL_LINE.findall(err)
     at = f" at cell line {where[-1]}" if where else ""
     last = lines[-1] if lines else "no error message"
@@ -214,6 +215,19 @@ def _launch_failure(exercise: Exercise, run: RunSpec, launch: LaunchResult, time
             return f"rank {rank} raised{at}: {not_written_yet(exercise.id)}"
         return f"rank {rank} raised{at}: {last}"
     return f"rank {rank} exited with code {code}: {last}"
+
+
+def _in_case(job_dir: pathlib.Path | None, rank: int, cases: int) -> str:
+    """" in case 3 of 3": the last case `rank` started, from its phase file ("" if it started none)."""
+    if job_dir is None:
+        return ""
+    try:
+        text = (job_dir / phase_file(rank)).read_text(errors="replace")
+    except OSError:
+        return ""
+    started = [int(words[2]) for words in (line.split() for line in text.splitlines())
+               if len(words) == 3 and words[1] == CASE_MARK and words[2].isdigit()]
+    return f" in case {started[-1] + 1} of {cases}" if started else ""
 
 
 _GLOO_TIMEOUT = re.compile(r"\[[^\]]*\] Timed out waiting (\d+)ms for (send|recv) operation to complete")

@@ -23,7 +23,8 @@ this process:
 
 Each rank appends to `phase.rank<N>.txt` in the run's folder when it enters and
 leaves the learner's function, so that at a deadline the checker can tell the
-learner's collectives from its own (stuck.py).
+learner's collectives from its own (stuck.py), and when it starts each case
+("case <i>", 0-based), so that a rank a signal ended is named with its case.
 
 Resource limits (CPU seconds, memory, bytes written to any file, which also caps
 output) are set once, before any learner code runs, for the process's life: a
@@ -57,7 +58,7 @@ from ..rank import ledger
 from ..rank.contract import CELL_LABEL, ENV_LAUNCH_MARK, ledger_file, stacks_file
 from .drivers import driver_for
 
-__all__ = ["EXIT_NO_FUNCTION", "PHASES", "phase_file", "serve"]
+__all__ = ["CASE_MARK", "EXIT_NO_FUNCTION", "PHASES", "phase_file", "serve"]
 
 # A deadline that comes while the unfinished ranks are still using CPU is extended (at most this many times,
 # each by the run's own deadline: rank_set.RankSet.run): on a loaded machine a correct answer is slow, not stuck.
@@ -67,6 +68,7 @@ BUSY_EXTENSIONS = 2
 EXIT_NO_FUNCTION = 3  # the cell ran but defines no function of the expected name
 # Where a rank is in a run: the checker's set-up, the learner's function, the checker's code after it.
 PHASES = ("before", "function", "after")
+CASE_MARK = "case"  # a phase file's line "<time> case <i>": the rank started case i (0-based); not a phase
 PARENT_CHECK_S = 0.5  # how often a rank checks that its grader still runs
 
 
@@ -274,7 +276,8 @@ def _run_check(job: dict, rank: int, store) -> None:
     fn = phases.around(_load_function(os.path.join(job_dir, "submission.py"), job["function"], job["exercise"]))
     driver = driver_for(job["exercise"], job["driver"])
     outputs, spans = [], []
-    for args in cases:
+    for case, args in enumerate(cases):
+        phases.mark(f"{CASE_MARK} {case}")
         started = time.monotonic()
         outputs.append(driver(fn, *args))
         spans.append((started, time.monotonic()))

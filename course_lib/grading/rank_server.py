@@ -68,6 +68,11 @@ def main(preload: list[str]) -> None:
     import importlib
 
     from . import rank_runner  # noqa: F401 - imports torch, once, before any fork
+    # torch.distributed.nn.functional binds `group=group.WORLD` as its functions' default at import. Imported
+    # here, before any rank's group exists, the default is None: "the default group at call time". Imported by
+    # a learner's cell, it would be that run's group, and a rank reused for the next run (another size) would
+    # call a destroyed group: "not initialized in the world group map", or all-reduce with the wrong peers.
+    import torch.distributed.nn.functional  # noqa: F401
 
     for name in preload:  # what the exercises' drivers import (torch._dynamo for DDP): forks inherit it
         importlib.import_module(name)

@@ -91,7 +91,8 @@ def _cases(nproc: int) -> list[dict[int, tuple]]:
     local = EXPERTS // nproc
     layer = make_layer()
     return [{r: (_tokens(case, r), layer["router"], layer["gate_up"][r * local:(r + 1) * local],
-                 layer["down"][r * local:(r + 1) * local], K, _grad_out(case, r)) for r in range(nproc)}
+                 layer["down"][r * local:(r + 1) * local], K, _grad_out(case, r),
+                 f"case {case + 1} of {len(CASES)} ({nproc} ranks, {SAID[case]})") for r in range(nproc)}
             for case in range(len(CASES))]
 
 
@@ -169,9 +170,19 @@ def _gradient(name: str):
                     continue                    # no row reached this rank's experts: a gradient of zero, or none
                 wrong = first_difference(got, want, rtol=RTOL, atol=ATOL, what=f"{part} on rank {rank}")
                 if wrong:
-                    return [f"{_where(outcome, case, rank)}: {part}'s gradient {wrong}"]
+                    text = f"{_where(outcome, case, rank)}: {part}'s gradient {wrong}"
+                    if name == "x" and _others_right(outcome):
+                        text += (": the router's and the experts' gradients are right, so what is missing is the "
+                                 "gradient that reaches x through the dispatched rows: the dispatch needs the "
+                                 "reverse all-to-all in backward (an autograd Function)")
+                    return [text]
         return []
     return judge
+
+
+def _others_right(outcome: RunOutcome) -> bool:
+    """Whether the router's and the experts' gradients pass their judges on every case."""
+    return not _gradient("router")(outcome) and not _gradient("experts")(outcome)
 
 
 def token_rows(ledger: list[dict], before: float) -> list[dict]:
@@ -192,13 +203,19 @@ def _bytes(outcome: RunOutcome) -> list[str]:
         want = (sent + received) * HIDDEN * 4
         if got != want:
             text = (f"{_where(outcome, case, rank)}: the forward's all_to_all_single calls of token rows ([rows, "
-                    f"{HIDDEN}] floats, {len(calls)} calls) put in {got:,} bytes; expected ({sent} + {received}) x "
+                    f"{HIDDEN}] floats, {len(calls)} call{'' if len(calls) == 1 else 's'}) put in {got:,} bytes; "
+                    f"expected ({sent} + {received}) x "
                     f"{HIDDEN} floats x 4 bytes = {want:,}: the dispatch sends each of this rank's tokens once to "
                     f"each rank holding one of its experts ({sent} rows), the combine one row back for each row "
                     f"received ({received})")
             if got == (sent_pairs + received_pairs) * HIDDEN * 4:
                 text += (f": that is one row per (token, expert) pair ({sent_pairs} + {received_pairs}), as lesson "
                          "10's ep_moe sends; a token whose experts share a rank goes there once")
+            elif len(calls) < 2:
+                text += (f": only {len(calls)} call{'' if len(calls) == 1 else 's'} of [rows, {HIDDEN}] token rows "
+                         "before the forward ended, where the dispatch and the combine make one each: if your "
+                         "dispatch sends the rows in a wider tensor (the weights beside them), send the weights in a "
+                         "tensor of their own")
             return [text]
     return []
 
@@ -224,6 +241,9 @@ DEDUP_DISPATCH = Exercise(
     hints=HINTS,
     allowed_ops=frozenset(("all_to_all_single",)),
     required_ops=frozenset(("all_to_all_single",)),
+    # The driver's out.backward(grad) imports this (and sympy) on a rank's first call: ~1-2 s on every rank a
+    # failed run restarted, unless the rank server has it before it forks.
+    preload=("torch.fx.experimental.symbolic_shapes",),
     runs=(
         RunSpec(2, _cases, _items(2), timeout_s=20),
         RunSpec(4, _cases, _items(4), timeout_s=30),

@@ -41,10 +41,10 @@ def priority(fn: Callable, x, params: dict, k: int, factor: float) -> dict:
     return {"returned": wrong_out or wrong_kept, "out": out, "kept": kept}
 
 
-def dedup(fn: Callable, x, router, gate_up, down, k: int, grad) -> dict:
+def dedup(fn: Callable, x, router, gate_up, down, k: int, grad, where: str) -> dict:
     """10.dedup_dispatch: the learner's layer on this rank's tokens with this rank's experts, then backward of
     (out * grad).sum(); the output, the gradients of x, router (this rank's share), gate_up and down, and when
-    the forward ended."""
+    the forward ended. `where`: the case, in words ("case 2 of 3 (2 ranks, ...)")."""
     leaves = [t.clone().requires_grad_() for t in (x, router, gate_up, down)]
     out = fn(*leaves, k, route, expert_mlp)
     forward_end = time.monotonic()
@@ -52,9 +52,16 @@ def dedup(fn: Callable, x, router, gate_up, down, k: int, grad) -> dict:
         return {"returned": f"returned a {describe(out)}, not a tensor"}
     if out.shape != x.shape:
         return {"returned": f"returned a tensor of shape {list(out.shape)}, not {list(x.shape)}"}
-    if out.grad_fn is not None:                             # none: no gradient reaches anything (judged so)
-        with fn.learner_code():                             # the learner's autograd Functions run here
-            out.backward(grad.clone())
+    if out.grad_fn is None:
+        # This rank cannot join the backward all-to-alls its peers may run; skipping backward here would let a
+        # peer's backward message meet this rank's next case (gloo then fills the counts with its floats).
+        raise RuntimeError(
+            f"{where}: dedup_moe's out has no autograd graph on this rank (nothing in it depends, through "
+            "autograd, on the rows it received or on x), so it cannot take part in the backward all-to-alls: "
+            "keep what each rank receives in the graph, e.g. run each local expert even on zero rows, and send "
+            "through an autograd Function")
+    with fn.learner_code():                                 # the learner's autograd Functions run here
+        out.backward(grad.clone())
     names = ("x", "router", "gate_up", "down")
     return {"returned": "", "out": out.detach().clone(), "forward_end": forward_end,
             **{name: _grad(leaf) for name, leaf in zip(names, leaves)}}

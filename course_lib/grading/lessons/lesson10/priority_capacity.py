@@ -1,11 +1,12 @@
 """10.priority_capacity: capacity-limited routing in V-MoE's batch prioritized order, on each rank's own tokens.
 
 Riquelme et al. 2021 ("Scaling Vision with Sparse Mixture of Experts", arXiv 2106.05974), Batch Prioritized
-Routing, as google-research/vmoe implements it (`vmoe/moe.py`, `get_top_experts_per_item_dispatcher` with
-`batch_priority=True`): every first choice before any second choice, as in lesson 10's position order, but within
-each slot the tokens taken in decreasing order of their largest router probability instead of their position.
-Each expert keeps the first C pairs of that queue, C = ceil(factor * T * k / E). Each rank's batch is its own
-group (as the lesson's capacity section): no communication. Judged per rank against one process: which pairs
+Routing, in the order google-research/vmoe implements (`vmoe/moe.py`, `get_top_experts_per_item_dispatcher` with
+`batch_priority=True`; vmoe also rounds C up to a multiple of 4 by default and weights by the gates over all E,
+here C and the weights are lesson 10's): every first choice before any second choice, as in lesson 10's position
+order, but within each slot the tokens taken in decreasing order of their largest router probability instead of
+their position. Each expert keeps the first C pairs of that queue, C = ceil(factor * T * k / E). Each rank's batch
+is its own group (as the lesson's capacity section): no communication. Judged per rank against one process: which pairs
 were kept (on factors where factor * T * k / E is an integer, then where it is not), and the output given the
 pairs the rank kept (kept pairs weighted by their router weights as they are, dropped pairs adding nothing).
 """
@@ -46,7 +47,8 @@ def capacity_of(factor: float, tokens: int, k: int, experts: int = EXPERTS, roun
 def kept_pairs(probs, experts, capacity: int, order: str = "priority"):
     """[T, k] bool: the pairs each expert keeps, its first `capacity` in the queue of slot 0's pairs then slot 1's,
     the tokens of each slot taken by `order`: "priority" (largest probability first, V-MoE's), "lowest" (smallest
-    first) or "position" (lesson 10's); "weight" ("probability"): each expert's `capacity` pairs of highest weight (router probability), not V-MoE's."""
+    first), "renormalised" (largest of route's renormalised top-k weights first) or "position" (lesson 10's);
+    "weight" ("probability"): each expert's `capacity` pairs of highest weight (router probability), not V-MoE's."""
     import torch
     import torch.nn.functional as F
 
@@ -62,8 +64,11 @@ def kept_pairs(probs, experts, capacity: int, order: str = "priority"):
             kept[token[best], slot[best]] = True
         return kept
     top = probs.max(-1).values
+    chosen = probs.gather(1, experts)
+    renormalised = (chosen / chosen.sum(-1, keepdim=True))[:, 0]
     tokens = {"priority": lambda: top.argsort(descending=True, stable=True),
               "lowest": lambda: top.argsort(stable=True),
+              "renormalised": lambda: renormalised.argsort(descending=True, stable=True),
               "position": lambda: torch.arange(T)}[order]()
     queue = experts[tokens].T.flatten()                     # slot 0 of the ordered tokens, then slot 1
     place = (F.one_hot(queue, probs.shape[1]).cumsum(0) - 1).gather(1, queue[:, None])[:, 0]
@@ -108,6 +113,8 @@ def _named(kept, probs, experts, tokens: int, factor: float) -> str:
         ("position", C, "lesson 10's position order: within a slot, take the tokens by their largest router "
                         "probability, highest first"),
         ("lowest", C, "the tokens with the smallest largest-probability first: take the highest first"),
+        ("renormalised", C, "the tokens ranked by route's renormalised top weight; rank them by their largest "
+                            "router probability (probs), as V-MoE does"),
         *((order, C, "each expert's highest-weight pairs, second choices competing with first choices: V-MoE "
                      "takes every first choice before any second choice") for order in ("weight", "probability")),
         ("priority", capacity_of(factor, tokens, K, rounding=math.floor),
@@ -183,6 +190,9 @@ def _out(outcome: RunOutcome) -> list[str]:
         said = _where(outcome, case, rank)
         if got.shape != want.shape:
             return [f"{said}: out has shape {list(got.shape)}, expected {list(want.shape)}"]
+        if not got.is_floating_point():
+            return [f"{said}: out is {got.dtype}; return the layer's output, floats like x"]
+        got = got.to(want.dtype)        # the statement asks for values: an answer computed in float64 is judged by them
         close = torch.isclose(got, want, rtol=RTOL, atol=ATOL)
         if not close.all():
             token, col = (~close).nonzero()[0].tolist()
