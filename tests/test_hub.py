@@ -119,7 +119,8 @@ async def _learner(hub, name: str, k: int) -> dict:
 
 
 def test_three_learners_at_once(hub):
-    from hub_client import LEFT_BEHIND, rank_lines, uid_processes
+    from hub_client import LEFT_BEHIND, rank_lines
+    from course_lib.launcher.processes import processes_of_uid
 
     assert not hub.sign_in("hubtest-a", "not-the-password"), "a wrong password signed a learner in"
     for name in LEARNERS:
@@ -173,7 +174,7 @@ def test_three_learners_at_once(hub):
         hub.api("DELETE", f"/users/{name}/server")
     for name in LEARNERS:
         hub.stop_server(name)  # waits until the hub says it is stopped
-        left = uid_processes(pwd.getpwnam(name).pw_uid)
+        left = processes_of_uid(pwd.getpwnam(name).pw_uid)
         assert not left, f"{name}'s processes outlived their server: {[p.cmdline() for p in left]}"
     swept = [line for line in hub.log().splitlines() if LEFT_BEHIND in line]
     assert not swept, "the course left processes behind when a server stopped:\n" + "\n".join(swept)

@@ -43,13 +43,24 @@ def _marked(mark: str) -> list[psutil.Process]:
 
 def kill_marked(mark: str, timeout_s: float = 5.0) -> None:
     """SIGKILL every process carrying `mark` (a launch that has no process tree yet), then reap."""
-    procs = _marked(mark)
+    kill_and_reap(_marked(mark), timeout_s)
+
+
+def kill_and_reap(procs: list[psutil.Process], timeout_s: float = 5.0) -> None:
+    """SIGKILL each of `procs` (found by PID, never by name; one already gone is skipped), then wait for them."""
     for proc in procs:
         try:
             proc.kill()
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(procs, timeout=timeout_s)
+
+
+def processes_of_uid(uid: int) -> list[psutil.Process]:
+    """Every living process (zombies excluded) whose real uid is `uid`, with its cmdline in `info`: a hub's
+    learner, whose processes outlive nothing of theirs (launch/hub/)."""
+    return [proc for proc in psutil.process_iter(["uids", "status", "cmdline"])
+            if proc.info["uids"] and proc.info["uids"].real == uid and proc.info["status"] != psutil.STATUS_ZOMBIE]
 
 
 class ProcessTree:

@@ -28,6 +28,8 @@ import requests
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
 
+from course_lib.launcher.processes import kill_and_reap, processes_of_uid
+
 HERE = pathlib.Path(__file__).resolve().parent
 CONFIG = HERE / "jupyterhub_config.py"
 SERVICE = "course-test"
@@ -73,16 +75,6 @@ def free_port_run(count: int = 3) -> int:
     raise RuntimeError("no run of free ports on 127.0.0.1")
 
 
-def uid_processes(uid: int) -> list[psutil.Process]:
-    """Every living process whose real uid is `uid`."""
-    found = []
-    for proc in psutil.process_iter(["uids", "status"]):
-        uids = proc.info["uids"]
-        if uids and uids.real == uid and proc.info["status"] != psutil.STATUS_ZOMBIE:
-            found.append(proc)
-    return found
-
-
 def blocked_dirs(paths: list[str]) -> list[pathlib.Path]:
     """Folders above `paths` (and the paths themselves) that other users cannot enter (no o+x)."""
     blocked = []
@@ -123,13 +115,7 @@ def remove_user(name: str) -> None:
         uid = pwd.getpwnam(name).pw_uid
     except KeyError:
         return
-    procs = uid_processes(uid)
-    for proc in procs:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(procs, timeout=5)
+    kill_and_reap(processes_of_uid(uid))
     subprocess.run(["userdel", "--remove", name], capture_output=True)
 
 

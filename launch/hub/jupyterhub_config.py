@@ -24,10 +24,11 @@ import shutil
 import sys
 import time
 
-import psutil
 from jupyterhub.auth import LocalAuthenticator
 from jupyterhub.authenticators.shared import SharedPasswordAuthenticator
 from jupyterhub.spawner import LocalProcessSpawner
+
+from course_lib.launcher.processes import kill_and_reap, processes_of_uid
 
 c = get_config()  # noqa: F821 (given by JupyterHub when it loads this file)
 
@@ -76,16 +77,12 @@ class CourseSpawner(LocalProcessSpawner):
         # (the course's watchdog): give them a few seconds before ending what is left.
         uid = pwd.getpwnam(self.user.name).pw_uid
         deadline = time.monotonic() + LEFTOVER_GRACE_S
-        while (left := _processes_of(uid)) and time.monotonic() < deadline:
+        while (left := processes_of_uid(uid)) and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
         for proc in left:
             self.log.warning("left behind by %s's server, killed: pid %d %s", self.user.name, proc.pid,
                              " ".join(proc.info["cmdline"] or [])[:200])
-            try:
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(left, timeout=5)
+        kill_and_reap(left)
 
 
 def _give_course(name):
@@ -109,12 +106,6 @@ def _give_course(name):
         for entry in [folder] + [os.path.join(folder, f) for f in files]:
             os.lchown(entry, user.pw_uid, user.pw_gid)
     os.rename(staging, target)
-
-
-def _processes_of(uid):
-    """Living processes (zombies excluded) whose real uid is `uid`."""
-    return [p for p in psutil.process_iter(["uids", "cmdline", "status"])
-            if p.info["uids"] and p.info["uids"].real == uid and p.info["status"] != psutil.STATUS_ZOMBIE]
 
 
 # --- where it listens -------------------------------------------------------------------------------
